@@ -1,0 +1,42 @@
+# The two README commands: `make demo` and `make test`. Everything they need is installed here.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch is installed first and on its own: on the CPU-only machines this project is developed on,
+# `torch==2.13.0` resolves to a local CPU wheel, while a bare `torch` would pull gigabytes of CUDA
+# packages. pyproject accepts any torch>=2.6, so an already-installed torch is kept.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_DIR ?= outputs/sweeps/demo
+
+.PHONY: demo test install install-dev clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# A 2 x 2 grid of a tiny GPT on CPU (on a GPU when one is present), then its report.
+demo: install
+	$(PY) -m ablate -m experiment=demo optimizer=adamw,sgd batch_size=8,16 \
+		hydra.sweep.dir=$(DEMO_DIR)
+	$(PY) -m analysis.report $(DEMO_DIR)
+
+test: install-dev
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,50 @@
+"""What the terminal shows during a sweep: one live progress line per running point (plain lines
+when stdout is not a terminal, e.g. in CI logs) and one summary line per finished point."""
+from __future__ import annotations
+
+import sys
+import time
+
+PLAIN_EVERY_S = 10.0  # without a terminal, a progress line at most this often
+
+
+def _fmt(value, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+class Progress:
+    def __init__(self, label: str, stream=sys.stdout):
+        self.label, self.stream = label, stream
+        self.tty = stream.isatty()
+        self._last_plain = 0.0
+        self._live = False
+
+    def __call__(self, event: dict) -> None:
+        if event["event"] == "phase":
+            self._show(f"{self.label}  {event['phase']}...", force=event["phase"] == "init")
+        elif event["event"] == "progress":
+            self._show(f"{self.label}  step {event['step']}/{event['steps']}  loss {event['loss']:.4f}"
+                       f"  {event['elapsed_s']:.1f}s", force=event["step"] == event["steps"])
+
+    def _show(self, line: str, force: bool = False) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+            self._live = True
+        elif force or time.monotonic() - self._last_plain >= PLAIN_EVERY_S:
+            self.stream.write(line + "\n")
+            self._last_plain = time.monotonic()
+        self.stream.flush()
+
+    def done(self, result: dict, where: str, skipped: bool = False) -> None:
+        if self._live:
+            self.stream.write("\r\033[K")
+        m = result["metrics"]
+        status = "skip" if skipped else result["status"]
+        if result["status"] == "ok":
+            peak = m["peak_allocated_mib"]
+            detail = (f"peak {_fmt(peak, '.1f', ' MiB')}  iter {_fmt(m['iter_time_ms'], '.1f', ' ms')}"
+                      f"  {_fmt(m['tokens_per_s'], ',.0f', ' tok/s')}  loss {_fmt(m['loss_final'], '.4f')}")
+        else:
+            detail = f"{result['status']}: {result['reason']}"
+        self.stream.write(f"[{status:>7}] {self.label}  {detail}  -> {where}\n")
+        self.stream.flush()

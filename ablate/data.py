@@ -1,0 +1,167 @@
+"""Token sources: `synthetic` (a seeded Markov chain), `tokens` (nanoGPT .bin files), `chars` (text).
+
+Each option's `load(seq_len)` returns a TokenData: deterministic (B, T) batches for any step and
+rank, and a fixed held-out split for eval_loss.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: (B, T) int64 each
+
+
+class TokenData:
+    """Base: subclasses give `_train_rows(idx)` and the eval rows, each row seq_len + 1 tokens."""
+
+    vocab_size: int
+    loss_floor: float | None = None  # best achievable mean cross-entropy (nats), when known
+
+    def train_batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> Batch:
+        """Samples [(step * world_size + rank) * B, ... + B) of the training order."""
+        first = (step * world_size + rank) * batch_size
+        return _split(self._train_rows(np.arange(first, first + batch_size)))
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        rows = self._eval_rows()
+        for i in range(0, len(rows), batch_size):
+            yield _split(rows[i : i + batch_size])
+
+    def _train_rows(self, idx: np.ndarray) -> np.ndarray:
+        raise NotImplementedError  # abstract; every data option overrides it
+
+    def _eval_rows(self) -> np.ndarray:
+        raise NotImplementedError  # abstract; every data option overrides it
+
+
+def _split(rows: np.ndarray) -> Batch:
+    t = torch.from_numpy(rows.astype(np.int64))
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+class _Table(TokenData):
+    """A fixed set of sample rows, shuffled afresh (and deterministically) every epoch."""
+
+    def __init__(self, train: np.ndarray, eval_rows: np.ndarray, vocab_size: int, seed: int):
+        self.train, self.eval, self.vocab_size, self.seed = train, eval_rows, vocab_size, seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders[epoch] = np.random.default_rng((self.seed, epoch)).permutation(len(self.train))
+        return self._orders[epoch]
+
+    def _train_rows(self, idx: np.ndarray) -> np.ndarray:
+        n = len(self.train)
+        return np.stack([self.train[self._order(int(i) // n)[int(i) % n]] for i in idx])
+
+    def _eval_rows(self) -> np.ndarray:
+        return self.eval
+
+
+class _Stream(TokenData):
+    """Two long 1-D token arrays; a sample is a window at a seeded random offset (nanoGPT style)."""
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, vocab_size: int, seq_len: int,
+                 eval_samples: int, seed: int):
+        for name, arr in (("train", train), ("val", val)):
+            if len(arr) <= seq_len:
+                raise ValueError(f"{name} split has {len(arr)} tokens, needs more than seq_len={seq_len}")
+        self.train, self.val, self.vocab_size, self.T, self.seed = train, val, vocab_size, seq_len, seed
+        starts = np.random.default_rng((seed, -1)).integers(0, len(val) - seq_len, eval_samples)
+        self._eval = self._windows(val, starts)
+
+    def _windows(self, arr: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        return np.stack([np.asarray(arr[s : s + self.T + 1], dtype=np.int64) for s in starts])
+
+    def _train_rows(self, idx: np.ndarray) -> np.ndarray:
+        starts = np.array([np.random.default_rng((self.seed, int(i))).integers(0, len(self.train) - self.T)
+                           for i in idx])
+        return self._windows(self.train, starts)
+
+    def _eval_rows(self) -> np.ndarray:
+        return self._eval
+
+
+class Synthetic:
+    """An order-k Markov chain over `vocab_size` tokens with learnable structure.
+
+    The previous `order` tokens hash to one of `vocab_size` contexts; each context allows
+    `branching` distinct next tokens with Dirichlet(0.5) probabilities. A model that learns the
+    chain reaches `loss_floor`: the exact mean entropy of the targets given everything before them.
+    """
+
+    def __init__(self, vocab_size: int = 512, order: int = 2, branching: int = 8,
+                 train_samples: int = 10240, eval_samples: int = 256, seed: int = 1234):
+        if branching > vocab_size:
+            raise ValueError(f"data.branching={branching} > data.vocab_size={vocab_size}")
+        self.vocab_size, self.order, self.branching = vocab_size, order, branching
+        self.train_samples, self.eval_samples, self.seed = train_samples, eval_samples, seed
+
+    def load(self, seq_len: int) -> TokenData:
+        rng = np.random.default_rng(self.seed)
+        V, k = self.vocab_size, self.branching
+        # Context s allows tokens (a_s + j * c_s) mod V, j < k: distinct because j * c_s < V.
+        a = rng.integers(0, V, V)
+        c = rng.integers(1, max(2, V // k), V)
+        self._support = (a[:, None] + np.arange(k)[None, :] * c[:, None]) % V  # (V, k)
+        probs = rng.dirichlet(np.full(k, 0.5), size=V)  # (V, k)
+        self._cdf = np.cumsum(probs, axis=1)
+        self._entropy = -(probs * np.log(np.maximum(probs, 1e-30))).sum(1)  # (V,) nats
+        self._mult = rng.integers(1, 2**31 - 1, self.order) | 1  # context hash multipliers
+        train, h_train = self._sample(rng, self.train_samples, seq_len)
+        held_out, h_eval = self._sample(rng, self.eval_samples, seq_len)
+        data = _Table(train, held_out, V, self.seed)
+        data.loss_floor = h_eval
+        return data
+
+    def _sample(self, rng: np.random.Generator, n: int, seq_len: int) -> tuple[np.ndarray, float]:
+        """n rows of seq_len + 1 tokens, and the mean target entropy (nats) of those rows."""
+        V, K = self.vocab_size, self.order
+        rows = np.empty((n, seq_len + 1), dtype=np.int32)
+        rows[:, :K] = rng.integers(0, V, (n, min(K, seq_len + 1)))  # uniform start tokens
+        entropy = (min(K, seq_len + 1) - 1) * math.log(V) * n  # targets among the start tokens
+        for t in range(K, seq_len + 1):
+            ctx = np.zeros(n, dtype=np.int64)
+            for j in range(K):
+                ctx += rows[:, t - 1 - j].astype(np.int64) * int(self._mult[j])
+            ctx %= V
+            pick = (rng.random(n)[:, None] > self._cdf[ctx]).sum(1).clip(max=self.branching - 1)
+            rows[:, t] = self._support[ctx, pick]
+            entropy += self._entropy[ctx].sum()
+        return rows, float(entropy / (n * seq_len))
+
+
+class Tokens:
+    """nanoGPT-style data: `path`/train.bin and `path`/val.bin of uint16 token ids (np.memmap)."""
+
+    def __init__(self, path: str, vocab_size: int = 50257, eval_samples: int = 256, seed: int = 1234):
+        self.path, self.vocab_size, self.eval_samples, self.seed = Path(path), vocab_size, eval_samples, seed
+
+    def load(self, seq_len: int) -> TokenData:
+        split = {}
+        for name in ("train", "val"):
+            f = self.path / f"{name}.bin"
+            if not f.exists():
+                raise FileNotFoundError(f"data.path={self.path}: missing {f.name}")
+            split[name] = np.memmap(f, dtype=np.uint16, mode="r")
+        return _Stream(split["train"], split["val"], self.vocab_size, seq_len, self.eval_samples, self.seed)
+
+
+class Chars:
+    """Character-level text: the vocabulary is the file's sorted characters; the last 10% is held out."""
+
+    def __init__(self, path: str, eval_samples: int = 256, seed: int = 1234):
+        self.path, self.eval_samples, self.seed = Path(path), eval_samples, seed
+
+    def load(self, seq_len: int) -> TokenData:
+        text = self.path.read_text(encoding="utf-8")
+        chars = sorted(set(text))
+        lookup = {ch: i for i, ch in enumerate(chars)}
+        ids = np.fromiter((lookup[ch] for ch in text), dtype=np.uint16, count=len(text))
+        cut = int(0.9 * len(ids))
+        return _Stream(ids[:cut], ids[cut:], len(chars), seq_len, self.eval_samples, self.seed)

@@ -1,0 +1,100 @@
+"""The job: one grid point's orchestrator, inside the Hydra process. It never touches CUDA itself.
+
+resolve config -> run_id -> skip if done -> validate -> launch the worker -> classify -> result.json
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from ablate import results
+from ablate.build import check_config
+from ablate.console import Progress
+from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
+from launch.local import Outcome, run_worker
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=1)
+def git_sha() -> str | None:
+    """The commit the code ran at, with '+dirty' when the work tree has changes; None outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    try:
+        sha = git("rev-parse", "HEAD")
+        return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def job_env() -> dict:
+    """Provenance the job knows without touching a device; the worker adds torch, CUDA and GPU."""
+    slurm = os.environ.get("SLURM_ARRAY_JOB_ID")
+    slurm = f"{slurm}_{os.environ['SLURM_ARRAY_TASK_ID']}" if slurm else os.environ.get("SLURM_JOB_ID")
+    return {"hostname": socket.gethostname(), "git_sha": git_sha(), "slurm_job_id": slurm,
+            "python": sys.version.split()[0]}
+
+
+def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
+    spec = {"config": config, "run_dir": str(run_dir), "overrides": overrides}
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
+    cmd = [sys.executable, "-m", "ablate.worker", str(spec_path)]
+    return run_worker(cmd, run_dir, config["timeout_s"], on_event=progress)
+
+
+def outcome_of(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
+    """Validate, then run. An invalid combination never starts a worker."""
+    try:
+        check_config(config)
+    except Exception as exc:  # Invalid, or an option rejecting its keys (instantiate's TypeError)
+        cause = exc.__cause__ or exc
+        return Outcome("invalid", f"{type(cause).__name__}: {cause}" if cause is not exc else str(exc))
+    try:
+        return launch(config, run_dir, overrides, progress)
+    except Exception as exc:  # our own failure to launch is still a row, never a lost point
+        return Outcome("error", f"launch failed: {type(exc).__name__}: {exc}")
+
+
+def run_point(cfg: DictConfig) -> dict:
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    choices = {group: hc.runtime.choices.get(group) for group in GROUPS}
+    overrides = list(hc.overrides.task)
+    rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
+    index = results.Index(config["out_dir"])
+    result_path = run_dir / results.RESULT_FILE
+    progress = Progress(hc.job.override_dirname or "defaults")
+
+    found = index.terminal(rid) if config["skip_existing"] else None
+    if found:
+        path, result = found
+        if path != result_path.resolve():  # this sweep's directory gets the earlier result too
+            results.write_json(result_path, result)
+        progress.done(result, str(path), skipped=True)
+        return result
+
+    started, t0 = datetime.now(timezone.utc), time.monotonic()
+    outcome = outcome_of(config, run_dir, overrides, progress)
+    timing = {"started_at": started.isoformat(), "finished_at": datetime.now(timezone.utc).isoformat(),
+              "wall_s": time.monotonic() - t0}
+    result = results.make(rid, outcome.status, outcome.reason, choices, config, overrides,
+                          metrics=outcome.metrics, env={**job_env(), **outcome.env}, timing=timing)
+    results.write_json(result_path, result)
+    index.record(rid, result_path)
+    progress.done(result, str(result_path))
+    return result

@@ -1,0 +1,112 @@
+"""Measuring a training run: step times, allocator peaks, host memory, and the category breakdown.
+
+Sizes are MiB (2**20 bytes), times ms. Anything a device cannot report is None (null in result.json).
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+MIB = 2**20
+
+
+class StepTimer:
+    """Per-step wall time. CUDA events on GPU (read once at the end, so timing adds no sync);
+    perf_counter on CPU after a synchronize."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple] = []
+        self._times: list[float] = []
+
+    def start(self) -> None:
+        if self.cuda:
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._events[-1][0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._events[-1][1].record()
+        else:
+            torch.cpu.synchronize()
+            self._times.append((time.perf_counter() - self._t0) * 1e3)
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in self._events]
+        return list(self._times)
+
+
+def percentiles(times_ms: list[float]) -> dict:
+    if not times_ms:
+        return {"iter_time_ms": None, "iter_time_ms_p10": None, "iter_time_ms_p90": None}
+    if len(times_ms) == 1:
+        return {"iter_time_ms": times_ms[0], "iter_time_ms_p10": times_ms[0], "iter_time_ms_p90": times_ms[0]}
+    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
+    return {"iter_time_ms": statistics.median(times_ms), "iter_time_ms_p10": deciles[0],
+            "iter_time_ms_p90": deciles[-1]}
+
+
+class DeviceMemory:
+    """The caching allocator's peaks since the last reset. CPU has no such allocator: all None."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_allocated_mib(self) -> float | None:
+        return torch.cuda.max_memory_allocated() / MIB if self.cuda else None
+
+    def peaks(self) -> dict:
+        if not self.cuda:
+            return {"peak_allocated_mib": None, "peak_reserved_mib": None, "peak_active_mib": None}
+        stats = torch.cuda.memory_stats()
+        return {
+            "peak_allocated_mib": stats["allocated_bytes.all.peak"] / MIB,
+            "peak_reserved_mib": stats["reserved_bytes.all.peak"] / MIB,
+            "peak_active_mib": stats["active_bytes.all.peak"] / MIB,
+        }
+
+
+def host_peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# torch's MemTracker categories -> the result contract's breakdown keys.
+_CATEGORY = {
+    _MemRefType.PARAM: "params", _MemRefType.GRAD: "grads", _MemRefType.OPT: "optimizer",
+    _MemRefType.ACT: "activations", _MemRefType.BUFFER: "other", _MemRefType.TEMP: "other",
+    _MemRefType.OTH: "other",
+}
+
+
+def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                device: torch.device) -> tuple[dict, float]:
+    """Run `step()` once under torch's MemTracker; return the breakdown at its peak and that peak (MiB).
+
+    MemTracker follows every tensor through a dispatch mode, so it works on CPU as on GPU, and
+    labels each byte as parameter, gradient, optimizer state or activation. It slows the step
+    down, so the caller runs it outside the timed steps.
+    """
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    snapshot = tracker.get_tracker_snapshot("peak")
+    per_device = next((v for d, v in snapshot.items() if d.type == device.type), {})
+    breakdown = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0.0)
+    for kind, nbytes in per_device.items():
+        if kind in _CATEGORY:
+            breakdown[_CATEGORY[kind]] += nbytes / MIB
+    return breakdown, per_device.get("Total", 0) / MIB

@@ -1,0 +1,108 @@
+"""result.json: the contract between a run and analysis/ (../shared/DESIGN.md, "The result contract").
+
+Every field is present in every file; what could not be measured is null. Files are written
+atomically, so a reader never sees half a result.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+SCHEMA = "ablate.result/1"
+RESULT_FILE = "result.json"
+STATUSES = ("ok", "oom", "invalid", "error", "timeout")
+# Outcomes that a rerun would repeat: skip_existing skips them. error and timeout may be transient
+# (a node failure, a busy machine), so they run again.
+TERMINAL = ("ok", "oom", "invalid")
+
+METRIC_KEYS = (
+    "peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
+    "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
+    "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
+    "gpu_util_pct_std", "loss_first", "loss_final", "eval_loss", "loss_floor", "losses", "per_rank",
+)
+ENV_KEYS = ("torch", "cuda", "gpu_name", "gpu_total_mib", "driver", "world_size", "hostname", "git_sha",
+            "python", "slurm_job_id")
+
+
+def run_id(config: dict) -> str:
+    """12 hex digits of the hash of the resolved config: the same point always gets the same id."""
+    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    return hashlib.sha1(blob).hexdigest()[:12]
+
+
+def make(run_id: str, status: str, reason: str | None, choices: dict, config: dict, overrides: list,
+         metrics: dict | None = None, env: dict | None = None, prediction: dict | None = None,
+         timing: dict | None = None) -> dict:
+    """A complete result: every contract key present, unknown values null."""
+    assert status in STATUSES, status
+    metrics, env = metrics or {}, env or {}
+    return {
+        "schema": SCHEMA,
+        "run_id": run_id,
+        "status": status,
+        "reason": reason,
+        "choices": choices,
+        "config": config,
+        "overrides": overrides,
+        "metrics": {k: metrics.get(k) for k in METRIC_KEYS},
+        "prediction": prediction or {"peak_mib": None, "breakdown_mib": None},
+        "env": {k: env.get(k) for k in ENV_KEYS},
+        "timing": timing or {"started_at": None, "finished_at": None, "wall_s": None},
+    }
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    """Atomic: a temporary file in the same directory, fsynced, then renamed over the target."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read(path: str | Path) -> dict | None:
+    """A result of this schema, or None if the file is missing, unreadable or foreign."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
+
+
+class Index:
+    """<out_dir>/index/<run_id>: the path of the newest result.json of each run_id.
+
+    Lets a new sweep find finished points of earlier sweeps in O(1) instead of scanning outputs/.
+    One small file per run_id, so concurrent SLURM array tasks never write the same file.
+    """
+
+    def __init__(self, out_dir: str | Path):
+        self.root = Path(out_dir) / "index"
+
+    def record(self, run_id: str, result_path: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{run_id}.{os.getpid()}.tmp"
+        tmp.write_text(str(Path(result_path).resolve()))
+        os.replace(tmp, self.root / run_id)
+
+    def terminal(self, run_id: str) -> tuple[Path, dict] | None:
+        """The recorded result of run_id if it still exists and is terminal."""
+        entry = self.root / run_id
+        if not entry.exists():
+            return None
+        path = Path(entry.read_text().strip())
+        result = read(path)
+        if result and result.get("run_id") == run_id and result.get("status") in TERMINAL:
+            return path, result
+        return None

@@ -1,0 +1,66 @@
+"""The typed run configuration. Hydra merges conf/ into it, so a misspelt key or a wrongly typed
+value fails when the config is composed, before anything runs.
+
+Group options (data, optimizer, precision, ...) are `_target_` nodes whose keys are exactly their
+class's __init__ arguments (ablate/techniques/); instantiating them checks those keys.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel")
+
+# Keys that change where or whether a point runs, never what it measures: left out of run_id.
+NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir")
+
+
+class Device(str, Enum):
+    auto = "auto"  # cuda when the worker sees a GPU, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class ModelConf:
+    name: str = MISSING
+    n_layer: int = MISSING
+    n_head: int = MISSING
+    n_embd: int = MISSING
+    vocab_size: int = 50257
+    block_size: int = 1024
+    dropout: float = 0.0
+    bias: bool = True
+    init_from: Optional[str] = None  # local Hugging Face GPT-2 directory (safetensors); no hub access
+
+
+@dataclass
+class Config:
+    model: ModelConf = MISSING
+    data: Any = MISSING
+    optimizer: Any = MISSING
+    precision: Any = MISSING
+    accumulation: Any = MISSING
+    checkpoint: Any = MISSING
+    offload: Any = MISSING
+    parallel: Any = MISSING
+
+    batch_size: int = 8  # samples per optimizer step per rank: the effective batch
+    seq_len: int = 64  # tokens per sample
+    steps: int = 10  # measured optimizer steps
+    warmup_steps: int = 2  # optimizer steps before measurement; the last one is traced for the breakdown
+    samples: Optional[int] = None  # if set: train on this many samples instead of `steps`
+    seed: int = 0
+    device: Device = Device.auto
+    peak_tflops: Optional[float] = None  # dense peak TFLOP/s for MFU on a GPU missing from the table
+    timeout_s: float = 1800.0  # wall-clock limit of one worker
+    skip_existing: bool = True  # skip a point whose result.json is already terminal
+    out_dir: str = "outputs"
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="config_schema", node=Config)

@@ -1,0 +1,32 @@
+"""Memory techniques: one module per config group, one small class per option.
+
+Every option is built by Hydra from its `_target_` node and exposes a small fixed interface that
+the build function (ablate/build.py) and the train loop (ablate/train.py) call without knowing
+which option they hold. "Off" is always a real do-nothing object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class Invalid(Exception):
+    """This combination cannot run (the grid point becomes a row with status 'invalid')."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What an option may check itself against before anything is built."""
+
+    device: str  # "cpu", "cuda", or "auto" while the job has not yet seen the worker's device
+    batch_size: int  # samples per optimizer step per rank
+    seq_len: int
+    world_size: int = 1
+
+
+class Option:
+    def check(self, plan: Plan) -> None:
+        """Raise Invalid with a reason naming the key if this option cannot run under `plan`."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"

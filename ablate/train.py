@@ -1,0 +1,44 @@
+"""The train loop. It names no technique: it calls the built options' shared interface."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ablate.build import Techniques
+from ablate.data import Batch, TokenData
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               t: Techniques, batch: Batch, device: torch.device) -> torch.Tensor:
+    """One optimizer step on a (B, T) batch; returns its mean loss as a detached 0-d tensor."""
+    x, y = (b.to(device, non_blocking=True) for b in batch)
+    micro = t.accumulation.split(x, y)
+    total = torch.zeros((), device=device)
+    for i, (xb, yb) in enumerate(micro):
+        with t.parallel.sync(model, last_micro_step=i == len(micro) - 1):
+            with t.precision.autocast(device.type), t.offload.context():
+                _, loss = model(xb, yb)
+            loss = loss / len(micro)  # gradients of the micro-steps add up to the batch mean
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TokenData, batch_size: int, t: Techniques,
+             device: torch.device) -> float | None:
+    """Mean loss over the held-out split, in eval mode."""
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in data.eval_batches(batch_size):
+        with t.precision.autocast(device.type):
+            _, loss = model(x.to(device), y.to(device))
+        total += loss.item() * len(x)
+        count += len(x)
+    model.train()
+    return total / count if count and math.isfinite(total) else None

@@ -1,0 +1,1 @@
+"""Turning one grid point into processes: a single worker, torchrun, or a SLURM task."""

@@ -1,0 +1,95 @@
+"""The driver's view of a worker, sampled from the job process: GPU memory and utilisation.
+
+NVML sees what the allocator cannot: the CUDA context, NCCL buffers, other libraries' memory.
+Where there is no driver (CPU machines, CI) every field is None.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+
+import psutil
+
+MIB = 2**20
+
+
+def _nvml():
+    try:
+        import pynvml  # provided by the nvidia-ml-py package
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # no library, no driver, no device: nothing to sample
+        return None
+
+
+class NvmlSampler:
+    """Every `interval_s`: memory of the worker's process tree per device, and utilisation of the
+    devices it uses while `measuring` is set (so init and eval do not dilute GPU Usage %)."""
+
+    def __init__(self, root_pid: int, interval_s: float = 0.1):
+        self.root_pid, self.interval_s = root_pid, interval_s
+        self.measuring = False
+        self.nvml = _nvml()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.peak_mib: float | None = None
+        self.util: list[float] = []
+        if self.nvml:
+            n = self.nvml.nvmlDeviceGetCount()
+            self._handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+            # Fallback where process ids are not visible (containers): growth over this baseline.
+            self._baseline = [self.nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles]
+
+    def __enter__(self) -> "NvmlSampler":
+        if self.nvml:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _pids(self) -> set[int]:
+        try:
+            root = psutil.Process(self.root_pid)
+            return {self.root_pid, *(p.pid for p in root.children(recursive=True))}
+        except psutil.Error:
+            return {self.root_pid}
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._sample()
+            except Exception:  # a driver hiccup loses one sample, never the run
+                continue
+
+    def _sample(self) -> None:
+        nv, pids = self.nvml, self._pids()
+        total, used_devices = 0, []
+        for i, h in enumerate(self._handles):
+            mine = [p.usedGpuMemory or 0 for p in nv.nvmlDeviceGetComputeRunningProcesses(h) if p.pid in pids]
+            if not mine:  # pid namespaces hide the worker: count the device's growth instead
+                grown = nv.nvmlDeviceGetMemoryInfo(h).used - self._baseline[i]
+                mine = [grown] if grown > 0 else []
+            if mine:
+                total += sum(mine)
+                used_devices.append(h)
+        if used_devices:
+            self.peak_mib = max(self.peak_mib or 0.0, total / MIB)
+        if self.measuring:
+            self.util += [float(nv.nvmlDeviceGetUtilizationRates(h).gpu) for h in used_devices]
+
+    def fields(self) -> dict:
+        """The result-contract fields this sampler owns."""
+        driver = None
+        if self.nvml:
+            driver = self.nvml.nvmlSystemGetDriverVersion()
+            driver = driver.decode() if isinstance(driver, bytes) else driver
+        return {
+            "nvml_peak_mib": self.peak_mib,
+            "gpu_util_pct_mean": statistics.fmean(self.util) if self.util else None,
+            "gpu_util_pct_std": statistics.pstdev(self.util) if len(self.util) > 1 else None,
+            "driver": driver,
+        }
