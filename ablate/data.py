@@ -95,7 +95,7 @@ class Synthetic:
     chain reaches `loss_floor`: the exact mean entropy of the targets given everything before them.
     """
 
-    def __init__(self, vocab_size: int = 512, order: int = 2, branching: int = 8,
+    def __init__(self, vocab_size: int = 512, order: int = 1, branching: int = 8,
                  train_samples: int = 10240, eval_samples: int = 256, seed: int = 1234):
         if branching > vocab_size:
             raise ValueError(f"data.branching={branching} > data.vocab_size={vocab_size}")

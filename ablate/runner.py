@@ -1,0 +1,134 @@
+"""One grid point inside the worker: build -> warm up -> trace one step -> timed steps -> eval -> metrics."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from hydra.utils import instantiate
+
+from ablate import measure
+from ablate.build import Techniques, build_model, build_optimizer, check_config, gpt_config, pick_device
+from ablate.data import TokenData
+from ablate.events import EventWriter
+from ablate.hardware import flops_per_token, peak_tflops
+from ablate.techniques import Invalid
+from ablate.train import evaluate, train_step
+
+PROGRESS_EVERY_S = 0.5  # at most this often a loss is read back (a device sync) for the progress line
+
+
+@dataclass
+class Trained:
+    """What the training phase measured."""
+
+    steps: int  # measured steps
+    times_ms: list[float]
+    losses: list[float]  # every optimizer step, warm-up included
+    peaks: dict
+    breakdown: dict | None = None
+    init_peak_mib: float | None = None
+
+
+def load_data(cfg: dict) -> TokenData:
+    data = instantiate(cfg["data"]).load(cfg["seq_len"])
+    if data.vocab_size > cfg["model"]["vocab_size"]:
+        raise Invalid(f"the data has {data.vocab_size} token ids > model.vocab_size={cfg['model']['vocab_size']}")
+    return data
+
+
+def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, events: EventWriter,
+          before_first_step=lambda: None) -> tuple[torch.nn.Module, Trained]:
+    mem = measure.DeviceMemory(device)
+    events.emit("phase", phase="init")
+    mem.reset()
+    model = build_model(cfg["model"], t, device)
+    optimizer = build_optimizer(model, t)
+    init_peak = mem.peak_allocated_mib()
+    scaler = t.precision.grad_scaler(device.type)
+    B, world, warmup = cfg["batch_size"], t.parallel.nproc, cfg["warmup_steps"]
+    steps = math.ceil(cfg["samples"] / (B * world)) if cfg.get("samples") else cfg["steps"]
+
+    def step(k: int) -> torch.Tensor:
+        return train_step(model, optimizer, scaler, t, data.train_batch(k, B), device)
+
+    events.emit("phase", phase="train")
+    before_first_step()
+    mem.reset()  # the training peak covers warm-up too: the first step allocates optimizer state
+    losses = [step(k) for k in range(warmup - 1)]
+    breakdown, traced_peak = None, None
+    if warmup >= 1:  # the last warm-up step is traced for the memory breakdown (untimed)
+        breakdown, traced_peak = measure.traced_step(lambda: losses.append(step(warmup - 1)),
+                                                     model, optimizer, device)
+    events.emit("phase", phase="measure")
+    timer, start, last_report = measure.StepTimer(device), time.monotonic(), 0.0
+    for k in range(warmup, warmup + steps):
+        timer.start()
+        losses.append(step(k))
+        timer.stop()
+        now = time.monotonic()
+        if now - last_report >= PROGRESS_EVERY_S or k == warmup + steps - 1:
+            events.emit("progress", step=k - warmup + 1, steps=steps, loss=losses[-1].item(),
+                        elapsed_s=now - start)
+            last_report = now
+    peaks = mem.peaks()
+    if peaks["peak_allocated_mib"] is None:  # no allocator stats on CPU: the traced tensor peak stands in
+        peaks["peak_allocated_mib"] = traced_peak
+    return model, Trained(steps=steps, times_ms=timer.times_ms(), peaks=peaks, breakdown=breakdown,
+                          losses=torch.stack(losses).tolist() if losses else [], init_peak_mib=init_peak)
+
+
+def metrics(cfg: dict, t: Techniques, model: torch.nn.Module, run: Trained, eval_loss: float | None,
+            loss_floor: float | None, gpu_name: str | None) -> dict:
+    B, world, T = cfg["batch_size"], t.parallel.nproc, cfg["seq_len"]
+    seconds = sum(run.times_ms) / 1e3
+    tokens = run.steps * B * world * T
+    mc = gpt_config(cfg["model"])
+    per_token = flops_per_token(model.num_params(non_embedding=True), mc.n_layer, mc.n_embd, T)
+    tflops = per_token * tokens / seconds / world / 1e12 if seconds else None
+    peak = peak_tflops(gpu_name, t.precision.compute_dtype, cfg.get("peak_tflops"))
+    mfu = tflops / peak if peak and tflops is not None else None
+    tail = run.losses[-max(1, run.steps // 10):]  # loss_final: mean of the last 10% of steps
+    return {
+        **run.peaks,
+        "host_peak_rss_mib": measure.host_peak_rss_mib(),
+        "init_peak_allocated_mib": run.init_peak_mib,
+        "breakdown_mib": run.breakdown,
+        **measure.percentiles(run.times_ms),
+        "train_latency_s": seconds,
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "samples_per_s": run.steps * B * world / seconds if seconds else None,
+        "tflops": tflops,
+        "mfu": mfu,
+        # HFU counts the recomputed forward too: a full forward is a third of the 6N model FLOPs.
+        "hfu": mfu * (1 + t.checkpoint.recompute_fraction / 3) if mfu is not None else None,
+        "loss_first": run.losses[0] if run.losses else None,
+        "loss_final": sum(tail) / len(tail) if tail else None,
+        "eval_loss": eval_loss,
+        "loss_floor": loss_floor,
+        "losses": run.losses,
+    }
+
+
+def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict:
+    """The whole grid point; returns {"metrics", "env"} for the result event."""
+    cfg = spec["config"]
+    device = pick_device(cfg["device"])
+    t = check_config(cfg, device.type)
+    data = load_data(cfg)
+    torch.manual_seed(cfg["seed"])
+    t.precision.setup()
+    model, trained = train(cfg, t, data, device, events, before_first_step)
+    events.emit("phase", phase="eval")
+    eval_loss = evaluate(model, data, cfg["batch_size"], t, device)
+    cuda = device.type == "cuda"
+    gpu_name = torch.cuda.get_device_name(device) if cuda else None
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu_name": gpu_name,
+        "gpu_total_mib": torch.cuda.get_device_properties(device).total_memory / measure.MIB if cuda else None,
+        "world_size": t.parallel.nproc,
+    }
+    return {"metrics": metrics(cfg, t, model, trained, eval_loss, data.loss_floor, gpu_name), "env": env}

@@ -1,0 +1,54 @@
+"""Load every result.json below some paths into one pandas DataFrame: one row per run."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from ablate.results import RESULT_FILE, SCHEMA
+from ablate.schema import GROUPS
+
+# Top-level run keys that can differ between runs and so may label a row.
+RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "seed", "device")
+
+
+def result_files(paths: list[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += [p] if p.is_file() else sorted(p.rglob(RESULT_FILE))
+    return files
+
+
+def _row(result: dict, path: Path) -> dict:
+    metrics = result.get("metrics") or {}
+    row = {"run_id": result["run_id"], "status": result["status"], "reason": result.get("reason"),
+           "path": str(path)}
+    row.update({g: (result.get("choices") or {}).get(g) for g in GROUPS})
+    config = result.get("config") or {}
+    row.update({k: config.get(k) for k in RUN_KEYS})
+    row.update({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))})
+    for k, v in (metrics.get("breakdown_mib") or {}).items():
+        row[f"breakdown_{k}_mib"] = v
+    row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})
+    row["finished_at"] = (result.get("timing") or {}).get("finished_at")
+    return row
+
+
+def load(paths: list[str | Path]) -> pd.DataFrame:
+    """One row per run_id (the newest wins). Unreadable or foreign files are named on stderr and skipped."""
+    rows = []
+    for path in result_files(paths):
+        try:
+            result = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(result, dict) or result.get("schema") != SCHEMA:
+                raise ValueError(f"not an {SCHEMA} file")
+            rows.append(_row(result, path))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"skipping {path}: {exc}", file=sys.stderr)
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    df = df.sort_values("finished_at", na_position="first").drop_duplicates("run_id", keep="last")
+    return df.reset_index(drop=True)
