@@ -72,14 +72,14 @@ class _Stream(TokenData):
             if len(arr) <= seq_len:
                 raise ValueError(f"{name} split has {len(arr)} tokens, needs more than seq_len={seq_len}")
         self.train, self.val, self.vocab_size, self.T, self.seed = train, val, vocab_size, seq_len, seed
-        starts = np.random.default_rng((seed, -1)).integers(0, len(val) - seq_len, eval_samples)
+        starts = np.random.default_rng((seed, 1, 0)).integers(0, len(val) - seq_len, eval_samples)
         self._eval = self._windows(val, starts)
 
     def _windows(self, arr: np.ndarray, starts: np.ndarray) -> np.ndarray:
         return np.stack([np.asarray(arr[s : s + self.T + 1], dtype=np.int64) for s in starts])
 
     def _train_rows(self, idx: np.ndarray) -> np.ndarray:
-        starts = np.array([np.random.default_rng((self.seed, int(i))).integers(0, len(self.train) - self.T)
+        starts = np.array([np.random.default_rng((self.seed, 0, int(i))).integers(0, len(self.train) - self.T)
                            for i in idx])
         return self._windows(self.train, starts)
 

@@ -1,0 +1,40 @@
+"""Test helpers: compose the real config, and run the real CLI in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from ablate.schema import register
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+# A grid point that trains in about a second on one CPU core.
+FAST = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "data.train_samples=64",
+        "data.eval_samples=8", "batch_size=4", "seq_len=16", "steps=3", "warmup_steps=1", "device=cpu"]
+
+register()
+
+
+def compose_config(overrides: list[str] = ()) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def run_cli(args: list[str], out_dir: Path, env: dict | None = None, timeout: float = 300,
+            fast: bool = True) -> subprocess.CompletedProcess:
+    """`python -m ablate ARGS` with outputs under out_dir; never raises on a non-zero exit."""
+    cmd = [sys.executable, "-m", "ablate", *args, f"out_dir={out_dir}", *(FAST if fast else [])]
+    full_env = {k: v for k, v in os.environ.items() if k != "ABLATE_FAULT"}
+    full_env.update(env or {})
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def results_under(path: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(Path(path).rglob("result.json"))]

@@ -1,0 +1,94 @@
+"""End to end through the real CLI on CPU: a point, a 2-point multirun, skipping, the contract."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from ablate.model import GPT
+from ablate.build import gpt_config
+from helpers import compose_config, results_under, run_cli
+
+# The result contract as ../shared/DESIGN.md writes it; results.py must produce exactly these keys
+# (loss_floor is ablate's addition: the synthetic data's entropy floor).
+TOP = {"schema", "run_id", "status", "reason", "choices", "config", "overrides", "metrics", "prediction",
+       "env", "timing"}
+METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
+           "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
+           "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
+           "gpu_util_pct_std", "loss_first", "loss_final", "eval_loss", "loss_floor", "losses", "per_rank"}
+ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "driver", "world_size", "hostname", "git_sha", "python",
+       "slurm_job_id"}
+CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel"}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    proc = run_cli(["-m", "optimizer=adamw,sgd", f"hydra.sweep.dir={out}/sweeps/first"], out)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_multirun_writes_one_result_per_point(sweep):
+    out, proc = sweep
+    results = results_under(out / "sweeps" / "first")
+    assert sorted(r["choices"]["optimizer"] for r in results) == ["adamw", "sgd"]
+    assert all(r["status"] == "ok" for r in results)
+    dirs = sorted(p.parent.name for p in (out / "sweeps" / "first").rglob("result.json"))
+    assert [d for d in dirs if "optimizer=sgd" in d.split(",")] and all("seq_len=16" in d for d in dirs)
+    assert len({r["run_id"] for r in results}) == 2
+    assert proc.stdout.count("[     ok]") == 2  # one summary line per point
+
+
+def test_result_carries_every_contract_field(sweep):
+    for r in results_under(sweep[0] / "sweeps" / "first"):
+        assert set(r) == TOP and r["schema"] == "ablate.result/1"
+        assert set(r["metrics"]) == METRICS and set(r["env"]) == ENV and set(r["choices"]) == CHOICES
+        assert set(r["prediction"]) == {"peak_mib", "breakdown_mib"}
+        assert set(r["timing"]) == {"started_at", "finished_at", "wall_s"}
+        assert set(r["metrics"]["breakdown_mib"]) == {"params", "grads", "optimizer", "activations", "other"}
+        m = r["metrics"]
+        for key in ("iter_time_ms", "tokens_per_s", "samples_per_s", "loss_first", "loss_final", "eval_loss",
+                    "peak_allocated_mib", "host_peak_rss_mib", "tflops"):
+            assert isinstance(m[key], float) and math.isfinite(m[key]) and m[key] > 0, key
+        assert m["iter_time_ms_p10"] <= m["iter_time_ms"] <= m["iter_time_ms_p90"]
+        assert len(m["losses"]) == 4  # warm-up 1 + measured 3
+        # Not measurable on a CPU: null, never 0.
+        for key in ("peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "mfu", "gpu_util_pct_mean"):
+            assert m[key] is None, key
+        assert r["env"]["gpu_name"] is None and r["env"]["world_size"] == 1 and r["env"]["torch"]
+
+
+def test_rerun_skips_finished_points_and_skip_existing_false_reruns(sweep):
+    out, _ = sweep
+    first = {r["run_id"]: r for r in results_under(out / "sweeps" / "first")}
+    again = run_cli(["-m", "optimizer=adamw,sgd", f"hydra.sweep.dir={out}/sweeps/again"], out)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("[   skip]") == 2 and "worker.log" not in str(list((out / "sweeps" / "again").rglob("*")))
+    for r in results_under(out / "sweeps" / "again"):  # the new sweep directory still gets every row
+        assert r == first[r["run_id"]]
+    forced = run_cli(["-m", "optimizer=sgd", "skip_existing=false", f"hydra.sweep.dir={out}/sweeps/forced"], out)
+    assert forced.returncode == 0, forced.stderr
+    (rerun,) = results_under(out / "sweeps" / "forced")
+    assert rerun["run_id"] in first and rerun["timing"]["started_at"] > first[rerun["run_id"]]["timing"]["started_at"]
+
+
+def test_single_run_goes_under_outputs_runs(tmp_path):
+    proc = run_cli(["optimizer=sgd"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (result,) = results_under(tmp_path / "runs")
+    assert result["status"] == "ok" and result["overrides"][0] == "optimizer=sgd"
+
+
+def test_defaults_run_in_under_a_minute_with_an_exact_params_breakdown(tmp_path):
+    start = time.monotonic()
+    proc = run_cli(["device=cpu"], tmp_path, fast=False)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - start < 60
+    (result,) = results_under(tmp_path)
+    m = result["metrics"]
+    assert result["status"] == "ok" and math.isfinite(m["loss_final"]) and m["tokens_per_s"] > 0
+    n_params = GPT(gpt_config(compose_config()["model"])).num_params()
+    assert m["breakdown_mib"]["params"] == pytest.approx(n_params * 4 / 2**20, rel=1e-9)  # fp32

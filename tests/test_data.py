@@ -1,0 +1,72 @@
+"""Data options: deterministic, held-out eval split, and a synthetic source a model can learn."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ablate.data import Chars, Synthetic, Tokens
+
+
+def test_synthetic_is_seeded_and_shifted():
+    a, b = Synthetic(vocab_size=64, train_samples=32).load(16), Synthetic(vocab_size=64, train_samples=32).load(16)
+    xa, ya = a.train_batch(3, 4)
+    xb, _ = b.train_batch(3, 4)
+    assert torch.equal(xa, xb) and xa.shape == (4, 16) and xa.dtype == torch.int64
+    assert torch.equal(xa[:, 1:], ya[:, :-1])  # targets are the inputs shifted by one
+    assert int(xa.max()) < 64
+    c = Synthetic(vocab_size=64, train_samples=32, seed=7).load(16)
+    assert not torch.equal(c.train_batch(3, 4)[0], xa)
+
+
+def test_synthetic_floor_is_below_uniform_and_matches_empirical_entropy():
+    data = Synthetic(vocab_size=32, order=1, branching=4, train_samples=2000, eval_samples=2000).load(32)
+    assert 0 < data.loss_floor < math.log(4) + 0.01 + math.log(32) / 32
+    # The count-based bigram entropy of the held-out rows estimates the same floor.
+    rows = np.concatenate([np.concatenate([x.numpy(), y[:, -1:].numpy()], 1) for x, y in data.eval_batches(500)])
+    counts = np.zeros((32, 32))
+    np.add.at(counts, (rows[:, :-1].ravel(), rows[:, 1:].ravel()), 1)
+    p = counts / counts.sum(1, keepdims=True).clip(1)
+    h = -(counts * np.log(np.where(p > 0, p, 1))).sum() / counts.sum()
+    assert abs(h - data.loss_floor) < 0.05
+
+
+def test_ranks_and_epochs_see_different_samples():
+    data = Synthetic(vocab_size=64, train_samples=8).load(8)
+    r0, r1 = data.train_batch(0, 2, rank=0, world_size=2)[0], data.train_batch(0, 2, rank=1, world_size=2)[0]
+    assert not torch.equal(r0, r1)
+    epoch0 = {tuple(r) for s in range(4) for r in data.train_batch(s, 2)[0].tolist()}
+    assert len(epoch0) == 8  # one epoch visits every training sample once
+
+
+def test_eval_split_is_held_out():
+    data = Synthetic(vocab_size=512, train_samples=64, eval_samples=16).load(32)
+    train = {tuple(r) for r in data.train.tolist()}
+    assert not any(tuple(r) in train for r in data.eval.tolist())
+    assert sum(len(x) for x, _ in data.eval_batches(5)) == 16
+
+
+def test_tokens_reads_nanogpt_bin_files(tmp_path):
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (np.arange(200, dtype=np.uint16) + 5000).tofile(tmp_path / "val.bin")
+    data = Tokens(str(tmp_path), eval_samples=4).load(10)
+    x, y = data.train_batch(0, 3)
+    assert torch.equal(y, x + 1) and int(x.max()) < 1000  # consecutive windows of train.bin
+    ex, _ = next(data.eval_batches(4))
+    assert int(ex.min()) >= 5000
+
+
+def test_tokens_missing_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train.bin"):
+        Tokens(str(tmp_path)).load(8)
+
+
+def test_chars_builds_a_vocabulary_and_splits(tmp_path):
+    f = tmp_path / "input.txt"
+    f.write_text("abcdefgh" * 50 + "xyz" * 20)
+    data = Chars(str(f), eval_samples=3).load(8)
+    assert data.vocab_size == 11
+    x, y = data.train_batch(0, 2)
+    assert x.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])

@@ -1,0 +1,67 @@
+"""The model is GPT-2: its sizes, its parameter counts, and its logits next to Hugging Face's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ablate.model import GPT, SIZES, GPTConfig
+from helpers import compose_config
+
+# GPT-2's published parameter counts (tied embeddings, vocab 50257, 1024 positions).
+GPT2_PARAMS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
+               "gpt2-xl": 1_557_611_200}
+
+
+@pytest.mark.parametrize("name", list(GPT2_PARAMS))
+def test_gpt2_parameter_counts(name):
+    cfg = compose_config([f"model={name}"])["model"]
+    with torch.device("meta"):  # shapes only: no memory, even for gpt2-xl
+        model = GPT(GPTConfig(cfg["n_layer"], cfg["n_head"], cfg["n_embd"]))
+    assert model.num_params() == GPT2_PARAMS[name]
+    assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"]) == SIZES[name]
+
+
+def test_embeddings_are_tied_and_counted_once():
+    model = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    assert model.num_params(non_embedding=True) == model.num_params() - 16 * 32
+
+
+def test_forward_shapes_and_initial_loss():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
+    x, y = torch.randint(0, 100, (2, 3, 16))
+    logits, loss = model(x, y)
+    assert logits.shape == (3, 16, 100)
+    assert abs(loss.item() - torch.log(torch.tensor(100.0)).item()) < 0.3  # near-uniform at init
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_logits_match_huggingface_gpt2(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ablate.hf import load_weights, read_config
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=211, n_positions=48,
+                                    bos_token_id=0, eos_token_id=0)).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    assert (tmp_path / "model.safetensors").exists()
+    ours = GPT(GPTConfig(**read_config(tmp_path))).eval()
+    load_weights(ours, tmp_path)
+    x = torch.randint(0, 211, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[0], hf(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_rejects_a_mismatched_checkpoint(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ablate.hf import load_weights
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50, n_positions=16,
+                               bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="shape"):
+        load_weights(GPT(GPTConfig(1, 2, 64, vocab_size=50, block_size=16)), tmp_path)
