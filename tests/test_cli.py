@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 
 import pytest
 
-from ablate.model import GPT
 from ablate.build import gpt_config
-from helpers import compose_config, results_under, run_cli
+from ablate.model import GPT
+from helpers import ROOT, compose_config, results_under, run_cli
 
 # The result contract as ../shared/DESIGN.md writes it; results.py must produce exactly these keys
 # (loss_floor is ablate's addition: the synthetic data's entropy floor).
@@ -92,3 +94,13 @@ def test_defaults_run_in_under_a_minute_with_an_exact_params_breakdown(tmp_path)
     assert result["status"] == "ok" and math.isfinite(m["loss_final"]) and m["tokens_per_s"] > 0
     n_params = GPT(gpt_config(compose_config()["model"])).num_params()
     assert m["breakdown_mib"]["params"] == pytest.approx(n_params * 4 / 2**20, rel=1e-9)  # fp32
+
+
+def test_report_of_a_real_sweep(sweep):
+    out, _ = sweep
+    proc = subprocess.run([sys.executable, "-m", "analysis.report", str(out / "sweeps" / "first")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| adamw") or ln.startswith("| sgd")]
+    assert len(rows) == 2 and all(ln.rstrip().endswith("| ok       |") for ln in rows)
+    assert (out / "sweeps" / "first" / "report" / "runs.csv").exists()

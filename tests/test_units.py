@@ -1,0 +1,122 @@
+"""Pure pieces: outcome classification, the result file, the index, the peak table, FLOPs, timing."""
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+
+from ablate import results
+from ablate.events import EventReader, EventWriter
+from ablate.hardware import flops_per_token, peak_tflops
+from ablate.measure import percentiles, traced_step
+from ablate.worker import classify as classify_exception
+from ablate.techniques import Invalid
+from launch.local import classify
+
+
+def test_outcome_classification(tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_text("Traceback...\nValueError: boom\n")
+    ok = [{"event": "result", "metrics": {"iter_time_ms": 1.0}, "env": {}}]
+    assert classify(0, False, 10, ok, log).status == "ok"
+    assert classify(0, True, 10, ok, log).status == "timeout"  # the limit wins over anything reported
+    oom = [{"event": "failure", "status": "oom", "reason": "CUDA out of memory"}]
+    assert (classify(1, False, 10, oom, log).status, classify(1, False, 10, oom, log).reason) == \
+        ("oom", "CUDA out of memory")
+    killed = classify(-signal.SIGKILL, False, 10, [], log)
+    assert killed.status == "error" and "SIGKILL" in killed.reason
+    crashed = classify(3, False, 10, [], log)
+    assert crashed.status == "error" and "code 3" in crashed.reason and "ValueError: boom" in crashed.reason
+
+
+def test_exception_classification():
+    assert classify_exception(torch.OutOfMemoryError("CUDA out of memory. Tried"))[0] == "oom"
+    assert classify_exception(RuntimeError("DefaultCPUAllocator: can't allocate memory: 9 GB"))[0] == "oom"
+    assert classify_exception(Invalid("batch_size=3 ..."))[0] == "invalid"
+    assert classify_exception(KeyError("x")) == ("error", "KeyError: 'x'")
+
+
+def test_make_fills_every_key_with_null():
+    r = results.make("abc", "timeout", "slow", {}, {}, [])
+    assert all(v is None for v in r["metrics"].values()) and all(v is None for v in r["env"].values())
+    with pytest.raises(AssertionError):
+        results.make("abc", "crashed", None, {}, {}, [])
+
+
+def test_write_json_is_atomic_and_rejects_nan(tmp_path):
+    path = tmp_path / "result.json"
+    results.write_json(path, {"a": 1})
+    with pytest.raises(ValueError):
+        results.write_json(path, {"a": float("nan")})
+    assert json.loads(path.read_text()) == {"a": 1}  # the old file survives a failed write
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temporary left behind
+
+
+def test_run_id_is_stable_and_order_independent():
+    assert results.run_id({"a": 1, "b": [1, 2]}) == results.run_id({"b": [1, 2], "a": 1})
+    assert results.run_id({"a": 1}) != results.run_id({"a": 2})
+
+
+def test_index_returns_only_terminal_existing_results(tmp_path):
+    index = results.Index(tmp_path)
+    for rid, status in (("ok1", "ok"), ("err1", "error"), ("oom1", "oom")):
+        path = tmp_path / rid / "result.json"
+        results.write_json(path, results.make(rid, status, None, {}, {}, []))
+        index.record(rid, path)
+    assert index.terminal("ok1")[1]["status"] == "ok" and index.terminal("oom1")
+    assert index.terminal("err1") is None  # errors may be transient: run again
+    assert index.terminal("missing") is None
+    (tmp_path / "ok1" / "result.json").unlink()
+    assert index.terminal("ok1") is None
+
+
+def test_peak_table_is_precision_aware():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == 67.0
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-40GB", "tf32") == 156.0
+    assert peak_tflops("NVIDIA A10G", "bf16") == 125.0
+    assert peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores
+    assert peak_tflops("Mystery GPU", "bf16") is None
+    assert peak_tflops("Mystery GPU", "bf16", override=100) == 100.0
+    assert peak_tflops(None, "fp32") is None
+
+
+def test_flops_per_token_matches_palm_for_gpt2():
+    # GPT-2 124M: N without wpe = 124,439,808 - 1024 * 768; L=12, H=768, T=1024.
+    n = 124_439_808 - 1024 * 768
+    assert flops_per_token(n, 12, 768, 1024) == 6 * n + 12 * 12 * 768 * 1024
+
+
+def test_percentiles():
+    p = percentiles([float(x) for x in range(1, 12)])
+    assert (p["iter_time_ms"], p["iter_time_ms_p10"], p["iter_time_ms_p90"]) == (6.0, 2.0, 10.0)
+    assert percentiles([])["iter_time_ms"] is None
+
+
+def test_breakdown_categories_on_cpu():
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        model(torch.randn(64, 256)).pow(2).mean().backward()
+        opt.step()
+
+    step()  # states exist from here on
+    breakdown, peak = traced_step(step, model, opt, torch.device("cpu"))
+    mib = 256 * 256 * 4 / 2**20
+    assert breakdown["params"] == pytest.approx(mib) and breakdown["optimizer"] >= 2 * mib
+    assert peak == pytest.approx(sum(breakdown.values()))
+
+
+def test_event_reader_waits_for_complete_lines(tmp_path):
+    writer, reader = EventWriter(tmp_path), EventReader(tmp_path)
+    writer.emit("phase", phase="init", x=float("inf"))
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"event": "prog')
+    assert reader.read_new() == [{"event": "phase", "phase": "init", "x": None}]
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('ress"}\n')
+    assert reader.read_new() == [{"event": "progress"}]
