@@ -41,13 +41,19 @@ def inject_fault(overrides: list[str]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# Allocation failures that do not arrive as torch.OutOfMemoryError: the host allocator's, and
+# CUDA libraries that allocate outside the caching allocator (cuBLAS workspaces, the context).
+_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory",
+                 "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def classify(exc: BaseException) -> tuple[str, str]:
     """(status, reason) for an exception raised while running a point."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, torch.OutOfMemoryError):
         return "oom", text
-    if isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc):
-        return "oom", text  # host allocation failed: the CPU's out-of-memory
+    if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES):
+        return "oom", text
     if isinstance(exc, Invalid):
         return "invalid", text
     return "error", f"{type(exc).__name__}: {text}"

@@ -77,11 +77,14 @@ def test_rerun_skips_finished_points_and_skip_existing_false_reruns(sweep):
     assert rerun["run_id"] in first and rerun["timing"]["started_at"] > first[rerun["run_id"]]["timing"]["started_at"]
 
 
-def test_single_run_goes_under_outputs_runs(tmp_path):
-    proc = run_cli(["optimizer=sgd"], tmp_path)
+def test_single_run_goes_under_outputs_runs_and_samples_sets_the_steps(tmp_path):
+    proc = run_cli(["optimizer=sgd", "samples=9"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     (result,) = results_under(tmp_path / "runs")
-    assert result["status"] == "ok" and result["overrides"][0] == "optimizer=sgd"
+    assert result["status"] == "ok" and result["overrides"][:2] == ["optimizer=sgd", "samples=9"]
+    m = result["metrics"]
+    assert len(m["losses"]) == 1 + 3  # warm-up + ceil(9 samples / batch 4)
+    assert m["samples_per_s"] * m["train_latency_s"] == pytest.approx(12)
 
 
 def test_defaults_run_in_under_a_minute_with_an_exact_params_breakdown(tmp_path):

@@ -78,3 +78,11 @@ def test_hydra_writes_sweeps_under_outputs_not_multirun():
     cfg = (CONF / "config.yaml").read_text()
     assert "${out_dir}/sweeps/" in cfg and "${hydra.job.override_dirname}" in cfg
     assert "${out_dir}/runs/" in cfg and "name: ablate" in cfg
+
+
+def test_train_loop_names_no_technique():
+    """DESIGN house style 2: the loop calls the options' interface and never branches on a name."""
+    source = (ROOT / "ablate" / "train.py").read_text().lower()
+    names = {o for g, o in OPTIONS if g in TECHNIQUE_GROUPS and o not in ("none",)}
+    assert names and not [n for n in names if n in source]
+    assert "cfg" not in source and "if t." not in source

@@ -1,0 +1,31 @@
+"""On a CUDA machine: the allocator and NVML numbers are filled in and consistent. Opt in: -m gpu."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import results_under, run_cli
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker was selected on a machine without CUDA")
+
+
+def test_gpu_point_measures_allocator_nvml_and_mfu(tmp_path):
+    proc = run_cli(["model=gpt2", "batch_size=8", "seq_len=512", "steps=10", "warmup_steps=2", "device=cuda"],
+                   tmp_path, fast=False)
+    assert proc.returncode == 0, proc.stderr
+    (r,) = results_under(tmp_path)
+    m = r["metrics"]
+    assert r["status"] == "ok", r["reason"]
+    assert 0 < m["peak_allocated_mib"] <= m["peak_active_mib"] <= m["peak_reserved_mib"]
+    assert m["nvml_peak_mib"] is None or m["nvml_peak_mib"] >= m["peak_reserved_mib"]
+    assert m["init_peak_allocated_mib"] > 0 and r["env"]["gpu_name"]
+    # gpt2 fp32 params: 124,439,808 x 4 bytes
+    assert m["breakdown_mib"]["params"] == pytest.approx(124_439_808 * 4 / 2**20, rel=1e-3)
+    if m["mfu"] is not None:
+        assert 0 < m["mfu"] < 1
