@@ -5,6 +5,7 @@ rank, and a fixed held-out split for eval_loss.
 """
 from __future__ import annotations
 
+import abc
 import math
 from pathlib import Path
 from typing import Iterator
@@ -15,7 +16,7 @@ import torch
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: (B, T) int64 each
 
 
-class TokenData:
+class TokenData(abc.ABC):
     """Base: subclasses give `_train_rows(idx)` and the eval rows, each row seq_len + 1 tokens."""
 
     vocab_size: int
@@ -31,11 +32,13 @@ class TokenData:
         for i in range(0, len(rows), batch_size):
             yield _split(rows[i : i + batch_size])
 
+    @abc.abstractmethod
     def _train_rows(self, idx: np.ndarray) -> np.ndarray:
-        raise NotImplementedError  # abstract; every data option overrides it
+        """Training samples number `idx` (any count, wrapping into later epochs): (len(idx), T + 1)."""
 
+    @abc.abstractmethod
     def _eval_rows(self) -> np.ndarray:
-        raise NotImplementedError  # abstract; every data option overrides it
+        """The whole held-out split: (eval_samples, T + 1)."""
 
 
 def _split(rows: np.ndarray) -> Batch:

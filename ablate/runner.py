@@ -50,22 +50,23 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     B, world, warmup = cfg["batch_size"], t.parallel.nproc, cfg["warmup_steps"]
     steps = math.ceil(cfg["samples"] / (B * world)) if cfg.get("samples") else cfg["steps"]
 
-    def step(k: int) -> torch.Tensor:
-        return train_step(model, optimizer, scaler, t, data.train_batch(k, B), device)
+    def step(batch) -> torch.Tensor:
+        return train_step(model, optimizer, scaler, t, batch, device)
 
     events.emit("phase", phase="train")
     before_first_step()
     mem.reset()  # the training peak covers warm-up too: the first step allocates optimizer state
-    losses = [step(k) for k in range(warmup - 1)]
+    losses = [step(data.train_batch(k, B)) for k in range(warmup - 1)]
     breakdown, traced_peak = None, None
     if warmup >= 1:  # the last warm-up step is traced for the memory breakdown (untimed)
-        breakdown, traced_peak = measure.traced_step(lambda: losses.append(step(warmup - 1)),
-                                                     model, optimizer, device)
+        batch = data.train_batch(warmup - 1, B)
+        breakdown, traced_peak = measure.traced_step(lambda: losses.append(step(batch)), model, optimizer, device)
     events.emit("phase", phase="measure")
     timer, start, last_report = measure.StepTimer(device), time.monotonic(), 0.0
     for k in range(warmup, warmup + steps):
+        batch = data.train_batch(k, B)  # host-side batch assembly stays outside the timed step
         timer.start()
-        losses.append(step(k))
+        losses.append(step(batch))
         timer.stop()
         now = time.monotonic()
         if now - last_report >= PROGRESS_EVERY_S or k == warmup + steps - 1:
