@@ -36,12 +36,17 @@ class Techniques:
             getattr(self, group).check(plan)
 
 
-def plan_of(cfg: dict, device: str) -> Plan:
-    return Plan(device=device, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"])
+def plan_of(cfg: dict, device: str, t: Techniques) -> Plan:
+    """What every option may know about the others when it checks itself."""
+    return Plan(device=device, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"],
+                world_size=t.parallel.nproc, accumulation_steps=t.accumulation.steps,
+                grad_scaler=t.precision.scales_loss, param_dtype=t.precision.param_dtype,
+                stochastic_rounding=t.precision.stochastic_rounding, sharded=t.parallel.shards_params)
 
 
 def check_config(cfg: dict, device: str = "auto") -> Techniques:
-    """Everything that can be checked without a device: option values and their combination."""
+    """Option values and their combination. With device="auto" (the job, which never touches
+    CUDA) device-specific rules wait for the worker, which calls this again with its device."""
     t = Techniques.from_config(cfg)
     model = cfg["model"]
     if cfg["seq_len"] > model["block_size"]:
@@ -49,7 +54,9 @@ def check_config(cfg: dict, device: str = "auto") -> Techniques:
     for key in ("batch_size", "seq_len"):
         if cfg[key] < 1:
             raise Invalid(f"{key}={cfg[key]} must be >= 1")
-    t.check(plan_of(cfg, device))
+    if cfg["compile"] and cfg["warmup_steps"] < 2:
+        raise Invalid("compile=true needs warmup_steps >= 2: the first compiles, the last is traced")
+    t.check(plan_of(cfg, device, t))
     return t
 
 
@@ -65,20 +72,24 @@ def gpt_config(model_cfg: dict) -> GPTConfig:
     return GPTConfig(**{f.name: model_cfg[f.name] for f in dataclasses.fields(GPTConfig)})
 
 
-def build_model(model_cfg: dict, t: Techniques, device: torch.device) -> nn.Module:
-    # 1. Build and initialise in fp32 on the host, then move and cast to the parameter dtype.
-    model = GPT(gpt_config(model_cfg))
+def build_model(model_cfg: dict, t: Techniques, device: torch.device, compile: bool = False) -> nn.Module:
+    # 1. Materialise on the device in the parameter dtype (the precision option decides how).
+    model = t.precision.materialize(lambda: GPT(gpt_config(model_cfg)), device)
     if model_cfg.get("init_from"):
         from ablate.hf import load_weights  # safetensors only needed when loading weights
 
         load_weights(model, model_cfg["init_from"])
-    model = model.to(device=device, dtype=t.precision.param_dtype)
-    # 2. Recompute wrappers go on the bare blocks, before any parallel wrapper hides them.
+    # 2. Recompute wrappers go on the bare blocks, before compile and any parallel wrapper hide them.
     model = t.checkpoint.apply(model)
-    # 3. The parallel wrapper comes last: DDP/FSDP must see the final module tree.
+    # 3. Compile the wrapped model before the parallel wrap (torchtitan's order), so DDP/FSDP
+    #    hooks stay outside the compiled graphs.
+    if compile:
+        model = torch.compile(model)
+    # 4. The parallel wrapper comes last: DDP/FSDP must see the final module tree.
     return t.parallel.wrap(model)
 
 
 def build_optimizer(model: nn.Module, t: Techniques) -> torch.optim.Optimizer:
-    # 4. After the parallel wrap, so the optimizer holds the (possibly sharded) final parameters.
-    return t.optimizer.build(model)
+    # 5. After the parallel wrap, so the optimizer holds the (possibly sharded) final parameters;
+    #    the offload option decides where its states live.
+    return t.offload.build_optimizer(t.optimizer, model)

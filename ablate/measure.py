@@ -44,6 +44,27 @@ class StepTimer:
         return list(self._times)
 
 
+def seconds_since(start: float, device: torch.device) -> float:
+    """Wall seconds since perf_counter() `start`, after the device has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+class StepCounter:
+    """Counts optimizer steps actually taken, without a device sync: a GradScaler skips step()
+    when gradients overflowed, so steps asked minus steps taken are the skipped ones."""
+
+    def __init__(self, optimizer):
+        self.count: int | None = None  # None: this optimizer has no step hooks to count with
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.count = 0
+            optimizer.register_step_post_hook(self._hook)
+
+    def _hook(self, *args) -> None:
+        self.count += 1
+
+
 def percentiles(times_ms: list[float]) -> dict:
     if not times_ms:
         return {"iter_time_ms": None, "iter_time_ms_p10": None, "iter_time_ms_p90": None}
@@ -101,8 +122,21 @@ def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
-    with tracker:
-        step()
+
+    def next_micro_step(module, args) -> None:
+        # MemTracker refuses a second forward of the root module (it takes it for a new iteration);
+        # under gradient accumulation that is the next micro-batch. Its per-module stats are not
+        # used here, so they are cleared; the global peak snapshot is kept.
+        if module is model and module in tracker.memory_tracking:
+            tracker.reset_mod_stats()
+
+    # Registered before MemTracker's own global hooks, so it runs first.
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(next_micro_step)
+    try:
+        with tracker:
+            step()
+    finally:
+        hook.remove()
     snapshot = tracker.get_tracker_snapshot("peak")
     per_device = next((v for d, v in snapshot.items() if d.type == device.type), {})
     breakdown = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0.0)

@@ -98,8 +98,12 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        self.tie_weights()
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """The output projection is the token embedding, as in GPT-2 (one tensor, counted once)."""
+        self.lm_head.weight = self.transformer.wte.weight
 
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer).

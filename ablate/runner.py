@@ -29,6 +29,8 @@ class Trained:
     peaks: dict
     breakdown: dict | None = None
     init_peak_mib: float | None = None
+    compile_s: float | None = None  # wall time of the first step, which compiles the model
+    skipped_steps: int | None = None  # optimizer steps the GradScaler skipped (inf/nan gradients)
 
 
 def load_data(cfg: dict) -> TokenData:
@@ -43,10 +45,11 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     mem = measure.DeviceMemory(device)
     events.emit("phase", phase="init")
     mem.reset()
-    model = build_model(cfg["model"], t, device)
+    model = build_model(cfg["model"], t, device, compile=cfg["compile"])
     optimizer = build_optimizer(model, t)
     init_peak = mem.peak_allocated_mib()
     scaler = t.precision.grad_scaler(device.type)
+    optimizer_steps = measure.StepCounter(optimizer)
     B, world, warmup = cfg["batch_size"], t.parallel.nproc, cfg["warmup_steps"]
     steps = math.ceil(cfg["samples"] / (B * world)) if cfg.get("samples") else cfg["steps"]
 
@@ -56,7 +59,12 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     events.emit("phase", phase="train")
     before_first_step()
     mem.reset()  # the training peak covers warm-up too: the first step allocates optimizer state
-    losses = [step(data.train_batch(k, B)) for k in range(warmup - 1)]
+    losses, first_step_s = [], None
+    for k in range(warmup - 1):
+        start = time.perf_counter()
+        losses.append(step(data.train_batch(k, B)))
+        if k == 0:  # with compile=true this step compiles the graphs
+            first_step_s = measure.seconds_since(start, device)
     breakdown, traced_peak = None, None
     if warmup >= 1:  # the last warm-up step is traced for the memory breakdown (untimed)
         batch = data.train_batch(warmup - 1, B)
@@ -76,8 +84,11 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     peaks = mem.peaks()
     if peaks["peak_allocated_mib"] is None:  # no allocator stats on CPU: the traced tensor peak stands in
         peaks["peak_allocated_mib"] = traced_peak
+    taken = optimizer_steps.count
     return model, Trained(steps=steps, times_ms=timer.times_ms(), peaks=peaks, breakdown=breakdown,
-                          losses=torch.stack(losses).tolist() if losses else [], init_peak_mib=init_peak)
+                          losses=torch.stack(losses).tolist() if losses else [], init_peak_mib=init_peak,
+                          compile_s=first_step_s if cfg["compile"] else None,
+                          skipped_steps=warmup + steps - taken if taken is not None else None)
 
 
 def metrics(cfg: dict, t: Techniques, model: torch.nn.Module, run: Trained, eval_loss: float | None,
@@ -104,6 +115,8 @@ def metrics(cfg: dict, t: Techniques, model: torch.nn.Module, run: Trained, eval
         "mfu": mfu,
         # HFU counts the recomputed forward too: a full forward is a third of the 6N model FLOPs.
         "hfu": mfu * (1 + t.checkpoint.recompute_fraction / 3) if mfu is not None else None,
+        "compile_s": run.compile_s,
+        "skipped_steps": run.skipped_steps,
         "loss_first": run.losses[0] if run.losses else None,
         "loss_final": sum(tail) / len(tail) if tail else None,
         "eval_loss": eval_loss,

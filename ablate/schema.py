@@ -55,6 +55,7 @@ class Config:
     warmup_steps: int = 2  # optimizer steps before measurement; the last one is traced for the breakdown
     samples: Optional[int] = None  # if set: train on this many samples instead of `steps`
     seed: int = 0
+    compile: bool = False  # torch.compile the model (after checkpoint wrapping, before parallel wrapping)
     device: Device = Device.auto
     peak_tflops: Optional[float] = None  # dense peak TFLOP/s for MFU on a GPU missing from the table
     timeout_s: float = 1800.0  # wall-clock limit of one worker

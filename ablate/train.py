@@ -18,7 +18,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     total = torch.zeros((), device=device)
     for i, (xb, yb) in enumerate(micro):
         with t.parallel.sync(model, last_micro_step=i == len(micro) - 1):
-            with t.precision.autocast(device.type), t.offload.context():
+            with t.precision.autocast(device.type), t.offload.context(device.type):
                 _, loss = model(xb, yb)
             loss = loss / len(micro)  # gradients of the micro-steps add up to the batch mean
             scaler.scale(loss).backward()

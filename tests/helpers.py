@@ -38,3 +38,26 @@ def run_cli(args: list[str], out_dir: Path, env: dict | None = None, timeout: fl
 
 def results_under(path: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(path).rglob("result.json"))]
+
+
+def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, seq_len: int = 16, seed: int = 0):
+    """Build the composed config's techniques and a nano GPT on CPU, train `steps` steps through the
+    real train_step on fixed synthetic data; returns (per-step losses, model, optimizer, techniques)."""
+    import torch
+
+    from ablate.build import build_model, build_optimizer, check_config
+    from ablate.data import Synthetic
+    from ablate.train import train_step
+
+    cfg = compose_config([*FAST, f"batch_size={batch_size}", f"seq_len={seq_len}", *overrides])
+    t = check_config(cfg, "cpu")
+    data = Synthetic(vocab_size=128, train_samples=64).load(seq_len)
+    torch.manual_seed(seed)
+    t.precision.setup()
+    device = torch.device("cpu")
+    model = build_model(cfg["model"], t, device)
+    optimizer = build_optimizer(model, t)
+    scaler = t.precision.grad_scaler("cpu")
+    losses = [train_step(model, optimizer, scaler, t, data.train_batch(k, batch_size), device).item()
+              for k in range(steps)]
+    return losses, model, optimizer, t

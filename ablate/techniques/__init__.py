@@ -21,6 +21,11 @@ class Plan:
     batch_size: int  # samples per optimizer step per rank
     seq_len: int
     world_size: int = 1
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    grad_scaler: bool = False  # the precision option scales the loss (fp16)
+    param_dtype: str = "fp32"  # dtype parameters are stored in: fp32 | bf16
+    stochastic_rounding: bool = False  # bf16 parameters updated with stochastic rounding
+    sharded: bool = False  # the parallel option shards parameters (FSDP)
 
 
 class Option:

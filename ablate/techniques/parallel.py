@@ -12,6 +12,7 @@ class Single(Option):
     """One process on one device: the whole model, its gradients and optimizer states on it."""
 
     nproc = 1
+    shards_params = False  # parameters are whole on every rank
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model

@@ -1,25 +1,104 @@
-"""precision group: the dtype of parameters and of the compute, and the loss scaler that goes with it."""
+"""precision group: the dtype of parameters and of the compute, and the loss scaler that goes with it.
+
+Every option also decides how the model is materialised (`init_on_device`): built in fp32 on the
+host and then moved and cast (peak: a full fp32 host copy), or built on the meta device and
+allocated directly on the target device in the parameter dtype (no host copy at all).
+"""
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
+from torch import nn
 
-from ablate.techniques import Option
+from ablate.techniques import Invalid, Option, Plan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class FP32(Option):
-    """Parameters, gradients, optimizer states and matmuls all in float32 (TF32 explicitly off)."""
+class Precision(Option):
+    """Base: fp32 parameters, no autocast, no loss scaling. Subclasses change one thing each."""
 
     compute_dtype = "fp32"  # the column of the device peak table that MFU divides by
-    param_dtype = torch.float32
+    param_dtype = "fp32"  # parameters, gradients and optimizer states
+    autocast_dtype: str | None = None  # None: the forward runs in the parameter dtype
+    scales_loss = False  # fp16 gradients underflow without a GradScaler
+    allow_tf32 = False
+    stochastic_rounding = False
+
+    def __init__(self, init_on_device: bool = False):
+        self.init_on_device = init_on_device
+
+    def check(self, plan: Plan) -> None:
+        needs_bf16 = "bf16" in (self.param_dtype, self.autocast_dtype)
+        if needs_bf16 and plan.device == "cuda" and not torch.cuda.is_bf16_supported():
+            raise Invalid(f"precision={type(self).__name__.lower()}: this GPU has no bf16 support (try fp16)")
 
     def setup(self) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+        """Process-wide math flags; called once in the worker before anything is built."""
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=DTYPES[self.autocast_dtype])
 
     def grad_scaler(self, device_type: str) -> torch.amp.GradScaler:
-        return torch.amp.GradScaler(device_type, enabled=False)
+        return torch.amp.GradScaler(device_type, enabled=self.scales_loss)
+
+    def materialize(self, make: Callable[[], nn.Module], device: torch.device) -> nn.Module:
+        """Build the model with `make()` and put it on `device` in the parameter dtype."""
+        dtype = DTYPES[self.param_dtype]
+        if not self.init_on_device:
+            return make().to(device=device, dtype=dtype)  # fp32 on the host first, then moved
+        with torch.device("meta"):  # shapes only: nothing allocated anywhere
+            model = make().to(dtype)
+        model.to_empty(device=device)  # allocated once, on the device, already in `dtype`
+        model.tie_weights()  # to_empty gives every parameter new storage, which unties shared ones
+        model.reset_parameters()  # the same initialisation, run on the device
+        return model
+
+
+class FP32(Precision):
+    """Parameters, gradients, optimizer states and matmuls all in float32 (TF32 explicitly off)."""
+
+
+class TF32(Precision):
+    """fp32 storage, matmuls on TF32 tensor cores (10-bit mantissa). Saves no memory; buys speed
+    on Ampere and newer GPUs. On a CPU it is plain fp32."""
+
+    compute_dtype = "tf32"
+    allow_tf32 = True
+
+
+class FP16(Precision):
+    """Autocast to float16 with fp32 master weights and a GradScaler. Spends: fp16 copies of weights
+    and activations inside autocast. Saves: about half the activation memory; fp16 tensor-core speed.
+    Steps whose gradients overflow are skipped by the scaler and counted in the result."""
+
+    compute_dtype = "fp16"
+    autocast_dtype = "fp16"
+    scales_loss = True
+
+
+class BF16(Precision):
+    """Autocast to bfloat16 with fp32 master weights; bf16's fp32-sized exponent needs no scaler.
+    Saves about half the activation memory."""
+
+    compute_dtype = "bf16"
+    autocast_dtype = "bf16"
+
+
+class BF16Pure(Precision):
+    """Parameters, gradients and optimizer states stored in bfloat16, no fp32 copy anywhere.
+    Saves half of every parameter-sized tensor; costs update precision (small updates round away),
+    which `stochastic_rounding` (torchao's AdamW) recovers in expectation."""
+
+    compute_dtype = "bf16"
+    param_dtype = "bf16"
+
+    def __init__(self, init_on_device: bool = False, stochastic_rounding: bool = False):
+        super().__init__(init_on_device)
+        self.stochastic_rounding = stochastic_rounding

@@ -1,0 +1,45 @@
+"""offload options: activation offload keeps the math; device-only options are invalid rows on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ablate.build import check_config
+from ablate.techniques import Invalid, Plan
+from ablate.techniques.offload import Activations, Optimizer, Params
+from helpers import compose_config, train_nano
+
+
+def test_activation_offload_gives_identical_losses():
+    base = train_nano(steps=5)[0]
+    offloaded = train_nano(["offload=activations"], steps=5)[0]
+    assert offloaded == pytest.approx(base, abs=1e-6)
+
+
+def test_activation_offload_installs_pack_hooks_for_the_forward_only():
+    # On CUDA save_on_cpu's pack hook copies each saved tensor to pinned host memory (see the gpu
+    # tests); on a CPU the copy is a no-op, so here we check that the hooks are active in forward.
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    with Activations().context("cpu"):
+        assert top(False) is not None
+    assert top(False) is None
+
+
+@pytest.mark.parametrize("overrides,reason", [
+    (["offload=optimizer"], "offload=optimizer needs a CUDA device"),
+    (["offload=params"], "offload=params needs parallel=fsdp"),
+])
+def test_device_only_offload_is_invalid_on_cpu(overrides, reason):
+    with pytest.raises(Invalid, match=reason):
+        check_config(compose_config(overrides), "cpu")
+
+
+def test_offload_rules_by_plan():
+    cuda = Plan(device="cuda", batch_size=8, seq_len=16)
+    sharded = Plan(device="cuda", batch_size=8, seq_len=16, sharded=True)
+    Optimizer().check(cuda)  # torchao is installed with the dev extras
+    with pytest.raises(Invalid, match="use offload=params"):
+        Optimizer().check(sharded)
+    Params().check(sharded)
+    with pytest.raises(Invalid, match="needs parallel=fsdp"):
+        Params().check(cuda)
