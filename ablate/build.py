@@ -41,7 +41,8 @@ def plan_of(cfg: dict, device: str, t: Techniques) -> Plan:
     return Plan(device=device, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"],
                 world_size=t.parallel.nproc, accumulation_steps=t.accumulation.steps,
                 grad_scaler=t.precision.scales_loss, param_dtype=t.precision.param_dtype,
-                stochastic_rounding=t.precision.stochastic_rounding, sharded=t.parallel.shards_params)
+                stochastic_rounding=t.precision.stochastic_rounding, sharded=t.parallel.shards_params,
+                in_backward=t.optimizer.in_backward)
 
 
 def check_config(cfg: dict, device: str = "auto") -> Techniques:

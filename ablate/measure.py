@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+import warnings
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -133,7 +134,10 @@ def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     # Registered before MemTracker's own global hooks, so it runs first.
     hook = torch.nn.modules.module.register_module_forward_pre_hook(next_micro_step)
     try:
-        with tracker:
+        with tracker, warnings.catch_warnings():
+            # With optimizer.in_backward the gradient is freed by our hook before MemTracker's own
+            # post-accumulate hook looks at it; it warns and carries on, with the breakdown intact.
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             step()
     finally:
         hook.remove()

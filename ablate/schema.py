@@ -52,7 +52,7 @@ class Config:
     batch_size: int = 8  # samples per optimizer step per rank: the effective batch
     seq_len: int = 64  # tokens per sample
     steps: int = 10  # measured optimizer steps
-    warmup_steps: int = 2  # optimizer steps before measurement; the last one is traced for the breakdown
+    warmup_steps: int = 2  # unmeasured steps; the last is traced for the breakdown (>= 2: optimizer states exist)
     samples: Optional[int] = None  # if set: train on this many samples instead of `steps`
     seed: int = 0
     compile: bool = False  # torch.compile the model (after checkpoint wrapping, before parallel wrapping)

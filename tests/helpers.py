@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 # A grid point that trains in about a second on one CPU core.
 FAST = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "data.train_samples=64",
-        "data.eval_samples=8", "batch_size=4", "seq_len=16", "steps=3", "warmup_steps=1", "device=cpu"]
+        "data.eval_samples=8", "batch_size=4", "seq_len=16", "steps=3", "warmup_steps=2", "device=cpu"]
 
 register()
 
@@ -40,9 +40,11 @@ def results_under(path: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(path).rglob("result.json"))]
 
 
-def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, seq_len: int = 16, seed: int = 0):
-    """Build the composed config's techniques and a nano GPT on CPU, train `steps` steps through the
-    real train_step on fixed synthetic data; returns (per-step losses, model, optimizer, techniques)."""
+def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, seq_len: int = 16, seed: int = 0,
+               device: str = "cpu"):
+    """Build the composed config's techniques and a nano GPT (FAST, then `overrides`), train `steps`
+    steps through the real train_step on fixed synthetic data; returns (per-step losses, model,
+    optimizer, techniques)."""
     import torch
 
     from ablate.build import build_model, build_optimizer, check_config
@@ -50,14 +52,14 @@ def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, s
     from ablate.train import train_step
 
     cfg = compose_config([*FAST, f"batch_size={batch_size}", f"seq_len={seq_len}", *overrides])
-    t = check_config(cfg, "cpu")
+    t = check_config(cfg, device)
     data = Synthetic(vocab_size=128, train_samples=64).load(seq_len)
     torch.manual_seed(seed)
     t.precision.setup()
-    device = torch.device("cpu")
+    device = torch.device(device)
     model = build_model(cfg["model"], t, device)
     optimizer = build_optimizer(model, t)
-    scaler = t.precision.grad_scaler("cpu")
+    scaler = t.precision.grad_scaler(device.type)
     losses = [train_step(model, optimizer, scaler, t, data.train_batch(k, batch_size), device).item()
               for k in range(steps)]
     return losses, model, optimizer, t

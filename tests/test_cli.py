@@ -56,7 +56,7 @@ def test_result_carries_every_contract_field(sweep):
                     "peak_allocated_mib", "host_peak_rss_mib", "tflops"):
             assert isinstance(m[key], float) and math.isfinite(m[key]) and m[key] > 0, key
         assert m["iter_time_ms_p10"] <= m["iter_time_ms"] <= m["iter_time_ms_p90"]
-        assert len(m["losses"]) == 4  # warm-up 1 + measured 3
+        assert len(m["losses"]) == 5  # warm-up 2 + measured 3
         # Not measurable on a CPU: null, never 0.
         for key in ("peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "mfu", "gpu_util_pct_mean"):
             assert m[key] is None, key
@@ -83,7 +83,7 @@ def test_single_run_goes_under_outputs_runs_and_samples_sets_the_steps(tmp_path)
     (result,) = results_under(tmp_path / "runs")
     assert result["status"] == "ok" and result["overrides"][:2] == ["optimizer=sgd", "samples=9"]
     m = result["metrics"]
-    assert len(m["losses"]) == 1 + 3  # warm-up + ceil(9 samples / batch 4)
+    assert len(m["losses"]) == 2 + 3  # warm-up + ceil(9 samples / batch 4)
     assert m["samples_per_s"] * m["train_latency_s"] == pytest.approx(12)
 
 
@@ -107,3 +107,15 @@ def test_report_of_a_real_sweep(sweep):
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| adamw") or ln.startswith("| sgd")]
     assert len(rows) == 2 and all(ln.rstrip().endswith("| ok       |") for ln in rows)
     assert (out / "sweeps" / "first" / "report" / "runs.csv").exists()
+
+
+@pytest.mark.slow
+def test_compile_reports_its_time_apart_and_keeps_the_losses(tmp_path):
+    eager = run_cli(["optimizer=sgd", f"hydra.run.dir={tmp_path}/eager"], tmp_path)
+    compiled = run_cli(["optimizer=sgd", "compile=true", f"hydra.run.dir={tmp_path}/compiled"], tmp_path)
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr
+    (e,) = results_under(tmp_path / "eager")
+    (c,) = results_under(tmp_path / "compiled")
+    assert c["status"] == "ok" and e["metrics"]["compile_s"] is None
+    assert c["metrics"]["compile_s"] > 10 * c["metrics"]["iter_time_ms"] / 1e3  # compiling dwarfs a step
+    assert c["metrics"]["losses"] == pytest.approx(e["metrics"]["losses"], abs=1e-4)

@@ -6,7 +6,7 @@ import torch
 
 from ablate.build import check_config
 from ablate.techniques import Invalid, Plan
-from ablate.techniques.offload import Activations, Optimizer, Params
+from ablate.techniques.offload import Activations, OptimizerState, Params
 from helpers import compose_config, train_nano
 
 
@@ -37,9 +37,11 @@ def test_device_only_offload_is_invalid_on_cpu(overrides, reason):
 def test_offload_rules_by_plan():
     cuda = Plan(device="cuda", batch_size=8, seq_len=16)
     sharded = Plan(device="cuda", batch_size=8, seq_len=16, sharded=True)
-    Optimizer().check(cuda)  # torchao is installed with the dev extras
+    OptimizerState().check(cuda)  # torchao is installed with the dev extras
     with pytest.raises(Invalid, match="use offload=params"):
-        Optimizer().check(sharded)
+        OptimizerState().check(sharded)
+    with pytest.raises(Invalid, match="in_backward"):
+        OptimizerState().check(Plan(device="cuda", batch_size=8, seq_len=16, in_backward=True))
     Params().check(sharded)
     with pytest.raises(Invalid, match="needs parallel=fsdp"):
         Params().check(cuda)

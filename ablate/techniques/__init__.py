@@ -26,6 +26,7 @@ class Plan:
     param_dtype: str = "fp32"  # dtype parameters are stored in: fp32 | bf16
     stochastic_rounding: bool = False  # bf16 parameters updated with stochastic rounding
     sharded: bool = False  # the parallel option shards parameters (FSDP)
+    in_backward: bool = False  # the optimizer steps each parameter inside backward
 
 
 class Option:

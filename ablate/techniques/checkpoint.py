@@ -1,9 +1,27 @@
-"""checkpoint group: which activations are recomputed in backward instead of stored."""
+"""checkpoint group: which activations are recomputed in backward instead of stored.
+
+Every option wraps chosen submodules in place with torch's own non-reentrant checkpoint wrapper
+(what torchtitan uses), so parameters stay the same objects: the tied lm_head/wte weight survives.
+
+`recompute_fraction` (for HFU) is the share of the model's forward FLOPs run again in backward,
+estimated from matmul weights: sum of Linear weight sizes inside the recomputed modules over the
+sum of all Linear weight sizes (lm_head included). An approximation: SDPA and pointwise FLOPs are
+ignored, and torch's early stop may skip a wrapped module's last matmul when nothing after it is
+needed in backward (the estimate counts it), so the true recompute is at most this figure.
+"""
 from __future__ import annotations
 
-from torch import nn
+import abc
+import functools
+from collections.abc import Iterable, Sequence
 
-from ablate.techniques import Option
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ablate.model import CausalSelfAttention
+from ablate.techniques import Invalid, Option, Plan
 
 
 class NoCheckpoint(Option):
@@ -13,3 +31,141 @@ class NoCheckpoint(Option):
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
+
+
+def _linear_weights(modules: Iterable[nn.Module]) -> int:
+    """Elements of the Linear weights inside `modules`: 1/2 of their matmul FLOPs per token."""
+    return sum(m.weight.numel() for root in modules for m in root.modules() if isinstance(m, nn.Linear))
+
+
+class _Recompute(NoCheckpoint, abc.ABC):
+    """Shared glue: pick (parent, name) pairs, wrap each module, estimate recompute_fraction."""
+
+    @abc.abstractmethod
+    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        """The (parent module, child name) pairs whose child is wrapped."""
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        targets = self._targets(model)
+        chosen = [getattr(parent, name) for parent, name in targets]
+        # 2 * weights FLOPs per token for each matmul; the factor 2 cancels in the ratio.
+        self.recompute_fraction = _linear_weights(chosen) / _linear_weights([model])
+        for (parent, name), module in zip(targets, chosen):
+            setattr(parent, name, self._wrap(module))  # ModuleList accepts "0", "1", ... as names
+        return model
+
+
+class Blocks(_Recompute):
+    """Recompute every `every_n`-th transformer block in backward instead of storing its
+    activations (torchtitan's full / selective-layer AC). Saves: all activations inside those
+    blocks but their input, (B, T, C) per block. Spends: one more forward of those blocks."""
+
+    def __init__(self, every_n: int = 1):
+        self.every_n = every_n
+
+    def check(self, plan: Plan) -> None:
+        if self.every_n < 1:
+            raise Invalid(f"checkpoint.every_n={self.every_n} must be >= 1")
+
+    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        h = model.transformer.h
+        # Blocks n, 2n, ... counted from 1 (torchtitan's ac_freq): every_n=2 wraps h[1], h[3], ...
+        return [(h, str(i)) for i in range(len(h)) if (i + 1) % self.every_n == 0]
+
+
+class Sublayer(_Recompute):
+    """Recompute one sub-layer of every block, `part` = attn (q, k, v, SDPA output and its
+    logsumexp) or mlp (the (B, T, 4C) hidden before and after GELU). Saves: that sub-layer's
+    activations. Spends: one more forward of it, about 1/3 (attn) or 2/3 (mlp) of a block's matmuls."""
+
+    PARTS = ("attn", "mlp")
+
+    def __init__(self, part: str = "mlp"):
+        self.part = part
+
+    def check(self, plan: Plan) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.part not in self.PARTS:
+            raise Invalid(f"checkpoint.part: {self.part!r} is not one of {', '.join(self.PARTS)}")
+
+    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        self._validate()
+        return [(block, self.part) for block in model.transformer.h]
+
+
+# Ops whose outputs selective recompute keeps: the matmuls and attention, costly to redo.
+# The forward SDPA kernels differ by device (CUDA flash / efficient / cuDNN, the CPU flash one).
+_SAVE_NAMES = ("mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+               "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_fused_attention_overrideable")
+_SAVE = {getattr(torch.ops.aten, n) for n in _SAVE_NAMES if hasattr(torch.ops.aten, n)}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy: keep matmul and attention outputs, recompute everything else."""
+    packet = getattr(op, "overloadpacket", None)
+    return CheckpointPolicy.MUST_SAVE if packet in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveOps(_Recompute):
+    """Per-op selective recompute in every block (torch's create_selective_checkpoint_contexts,
+    torchtitan's op-level SAC): the outputs of matmuls and SDPA are stored, the pointwise ops
+    (LayerNorm, GELU, dropout, views) are run again in backward. Saves: the pointwise outputs,
+    e.g. the (B, T, 4C) GELU output and the LayerNorm outputs. Spends: only cheap pointwise
+    recompute, so recompute_fraction is ~0 (no matmul runs twice)."""
+
+    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        h = model.transformer.h
+        return [(h, str(i)) for i in range(len(h))]
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context_fn)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        model = super().apply(model)
+        self.recompute_fraction = 0.0  # pointwise FLOPs only, which the estimate ignores
+        return model
+
+
+LAYER_TYPES: dict[str, type[nn.Module]] = {
+    "layernorm": nn.LayerNorm, "gelu": nn.GELU, "linear": nn.Linear, "attention": CausalSelfAttention,
+}
+
+
+class Layers(_Recompute):
+    """Recompute every module of the chosen `types` (layernorm, gelu, linear, attention) anywhere
+    in the model, outermost only (a Linear inside a wrapped attention is not wrapped again).
+    Saves: what each such module stores for backward beyond its input (LayerNorm statistics,
+    attention's q, k, v and SDPA output). Spends: one more forward of each. A lone Linear saves
+    only its input and weight, which the wrapper keeps anyway: wrapping it saves nothing."""
+
+    def __init__(self, types: Sequence[str] = ("layernorm", "gelu", "linear", "attention")):
+        self.types = list(types)
+
+    def _classes(self) -> tuple[type[nn.Module], ...]:
+        for t in self.types:
+            if t not in LAYER_TYPES:
+                raise Invalid(f"checkpoint.types: {t!r} is not one of {', '.join(LAYER_TYPES)}")
+        return tuple(LAYER_TYPES[t] for t in self.types)
+
+    def check(self, plan: Plan) -> None:
+        self._classes()
+
+    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+        classes = self._classes()
+        chosen: list[str] = []
+        for name, module in model.named_modules():  # pre-order: a parent comes before its children
+            if isinstance(module, classes) and not any(name.startswith(p + ".") for p in chosen):
+                chosen.append(name)
+        targets = []
+        for name in chosen:
+            parent, _, child = name.rpartition(".")
+            targets.append((model.get_submodule(parent), child))
+        return targets

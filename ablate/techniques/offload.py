@@ -30,7 +30,7 @@ class Activations(NoOffload):
         return torch.autograd.graph.save_on_cpu(pin_memory=device_type == "cuda")
 
 
-class Optimizer(NoOffload):
+class OptimizerState(NoOffload):
     """Keep optimizer states (and with `gradients`, gradients too) in host memory and run the
     optimizer step on the CPU (torchao's CPUOffloadOptimizer). Saves: 8 bytes/param of AdamW state
     on the device (+4 with gradients). Spends: device<->host copies of grads and params each step."""
@@ -43,6 +43,8 @@ class Optimizer(NoOffload):
             raise Invalid("offload=optimizer needs a CUDA device: on the CPU everything is already in host memory")
         if plan.sharded:
             raise Invalid("offload=optimizer with a sharded parallel option: use offload=params (FSDP's own offload)")
+        if plan.in_backward:
+            raise Invalid("offload=optimizer with optimizer.in_backward=true: the offloaded step runs after backward")
         try:
             import torchao.optim  # noqa: F401
         except ImportError:

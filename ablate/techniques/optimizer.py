@@ -1,10 +1,19 @@
-"""optimizer group: which torch optimizer updates the weights, and so how much state it keeps."""
+"""optimizer group: which torch optimizer updates the weights, and so how much state it keeps.
+
+Every option names its optimizer class and constructor kwargs once (`optimizer_class()`,
+`optimizer_kwargs()`); `make` builds from them here, and offload=optimizer hands the same two to
+torchao's CPUOffloadOptimizer. With `in_backward: true` any option steps each parameter inside
+backward instead (InBackward), so no full set of gradients is ever alive.
+"""
 from __future__ import annotations
+
+import abc
+import importlib.util
 
 import torch
 from torch import nn
 
-from ablate.techniques import Option
+from ablate.techniques import Invalid, Option, Plan
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -16,24 +25,194 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-class AdamW(Option):
-    """Adam with decoupled weight decay; PyTorch picks its default (foreach) implementation.
+def _installed(package: str) -> bool:
+    # Looked up, not imported: the job process checks too, and these imports are heavy.
+    return importlib.util.find_spec(package) is not None
 
-    Spends two fp32 states per parameter (exp_avg, exp_avg_sq): 8 bytes/param.
+
+class InBackward(torch.optim.Optimizer):
+    """What the train loop holds when every parameter is stepped inside backward.
+
+    One optimizer per parameter steps from a post-accumulate-grad hook, then drops that gradient
+    (p.grad = None). Saves: the full set of gradients (4 bytes/param in fp32): at most the
+    gradients of the parameters still in flight are alive. Spends: one small step per tensor.
+    step() has nothing left to do, so GradScaler(enabled=False).step(opt) and step hooks still
+    work; `state` and `param_groups` are the per-parameter optimizers' own (shared, live), so
+    MemTracker labels the states "optimizer" and an lr change reaches them.
     """
 
-    def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1):
-        self.lr, self.betas, self.weight_decay = lr, tuple(betas), weight_decay
+    def __init__(self, optimizers: list[torch.optim.Optimizer], hooks: list):
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.optimizers, self.hooks = optimizers, hooks
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        for o in optimizers:
+            o.state = self.state  # one dict keyed by parameter: the union of all their states
+
+    def step(self, closure=None) -> None:
+        """Every parameter was already stepped in backward."""
+
+
+class TorchOptimizer(Option, abc.ABC):
+    """Base: subclasses name their optimizer class and kwargs; this builds it, in backward or not."""
+
+    supports_stochastic_rounding = False  # only AdamW can update bf16 parameters with stochastic rounding
+
+    def __init__(self, lr: float, weight_decay: float, in_backward: bool = False):
+        self.lr, self.weight_decay, self.in_backward = lr, weight_decay, in_backward
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__.lower()
+
+    @abc.abstractmethod
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        """The torch optimizer this option builds."""
+
+    @abc.abstractmethod
+    def optimizer_kwargs(self) -> dict:
+        """Constructor kwargs besides the parameters (their groups carry the weight decay)."""
+
+    def param_groups(self, model: nn.Module) -> list[dict]:
+        return param_groups(model, self.weight_decay)  # the module function above
+
+    def make(self, groups: list[dict]) -> torch.optim.Optimizer:
+        return self.optimizer_class()(groups, **self.optimizer_kwargs())
+
+    def check(self, plan: Plan) -> None:
+        if plan.stochastic_rounding and not self.supports_stochastic_rounding:
+            raise Invalid(f"precision.stochastic_rounding=true needs optimizer=adamw (torchao's AdamW), "
+                          f"not optimizer={self.name}")
+        if not self.in_backward:
+            return
+        if plan.accumulation_steps > 1:
+            raise Invalid("optimizer.in_backward=true needs accumulation=none: "
+                          "the step would run on the first micro-batch's gradient")
+        if plan.grad_scaler:
+            raise Invalid("optimizer.in_backward=true with a loss-scaling precision (fp16): "
+                          "the GradScaler cannot unscale/skip steps inside backward")
+        if plan.world_size > 1:
+            raise Invalid("optimizer.in_backward=true needs parallel=single: "
+                          "DDP/FSDP reduce gradients after the hook has already stepped")
 
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(param_groups(model, self.weight_decay), lr=self.lr, betas=self.betas)
+        if not self.in_backward:
+            return self.make(self.param_groups(model))
+        optimizers, hooks = [], []
+        for group in self.param_groups(model):
+            for p in group["params"]:
+                opt = self.make([{**group, "params": [p]}])  # keeps the group's weight decay
+                optimizers.append(opt)
+                hooks.append(p.register_post_accumulate_grad_hook(_step_and_free(opt)))
+        return InBackward(optimizers, hooks)
 
 
-class SGD(Option):
+def _step_and_free(opt: torch.optim.Optimizer):
+    def hook(p: torch.Tensor) -> None:
+        opt.step()
+        p.grad = None  # freed now, before the rest of backward allocates more
+    return hook
+
+
+IMPLEMENTATIONS = {"default": {}, "forloop": {"foreach": False}, "foreach": {"foreach": True},
+                   "fused": {"fused": True}}
+
+
+class AdamW(TorchOptimizer):
+    """Adam with decoupled weight decay. Spends two fp32 states per parameter (exp_avg,
+    exp_avg_sq): 8 bytes/param. `implementation` changes speed and temporaries, not the math:
+    forloop steps one tensor at a time (temporaries of one tensor), foreach batches tensors into
+    few kernels (temporaries of a whole group), fused is one kernel per group (no temporaries).
+    Under precision.stochastic_rounding, torchao's AdamW rounds the bf16 update stochastically."""
+
+    supports_stochastic_rounding = True
+
+    def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
+                 implementation: str = "default", in_backward: bool = False):
+        super().__init__(lr, weight_decay, in_backward)
+        self.betas, self.implementation = tuple(betas), implementation
+        self._round_stochastically = False  # set by check(plan), which always runs before build
+
+    def check(self, plan: Plan) -> None:
+        super().check(plan)
+        if self.implementation not in IMPLEMENTATIONS:
+            raise Invalid(f"optimizer.implementation={self.implementation!r} is not one of "
+                          f"{', '.join(IMPLEMENTATIONS)}")
+        if self.implementation == "fused" and plan.device not in ("cpu", "cuda", "auto"):
+            raise Invalid(f"optimizer.implementation=fused has kernels for cpu and cuda only, not device={plan.device}")
+        if plan.stochastic_rounding:
+            if self.implementation != "default":
+                raise Invalid("precision.stochastic_rounding=true runs torchao's AdamW: "
+                              f"optimizer.implementation={self.implementation} must be default")
+            if not _installed("torchao"):
+                raise Invalid("precision.stochastic_rounding=true needs torchao: pip install 'ablate[ao]'")
+        self._round_stochastically = plan.stochastic_rounding
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        if self._round_stochastically:
+            from torchao.optim import _AdamW  # optional: only needed for stochastic rounding
+
+            return _AdamW
+        return torch.optim.AdamW
+
+    def optimizer_kwargs(self) -> dict:
+        kwargs = {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay}
+        if self._round_stochastically:
+            return {**kwargs, "bf16_stochastic_round": True}
+        return {**kwargs, **IMPLEMENTATIONS.get(self.implementation, {})}
+
+
+class SGD(TorchOptimizer):
     """Plain SGD: no state at momentum 0; one momentum buffer (4 bytes/param in fp32) otherwise."""
 
-    def __init__(self, lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0):
-        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+    def __init__(self, lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0, in_backward: bool = False):
+        super().__init__(lr, weight_decay, in_backward)
+        self.momentum = momentum
 
-    def build(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(param_groups(model, self.weight_decay), lr=self.lr, momentum=self.momentum)
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return torch.optim.SGD
+
+    def optimizer_kwargs(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay}
+
+
+class Adafactor(TorchOptimizer):
+    """torch.optim.Adafactor: no first moment, and the second moment of an (n, m) matrix factored
+    into a row and a column vector. Spends 4·(n+m) bytes per matrix (about 0 bytes/param for large
+    ones) and 4 bytes/param for vectors; saves nearly all of AdamW's 8 bytes/param.
+    Its lr is a relative step cap (step = min(lr, 1/sqrt(t)) × the parameter's RMS), and weight
+    decay multiplies weights by (1 - lr·weight_decay) per step."""
+
+    def __init__(self, lr: float = 1e-2, beta2_decay: float = -0.8, d: float = 1.0, weight_decay: float = 0.0,
+                 in_backward: bool = False):
+        super().__init__(lr, weight_decay, in_backward)
+        self.beta2_decay, self.d = beta2_decay, d
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return torch.optim.Adafactor
+
+    def optimizer_kwargs(self) -> dict:
+        return {"lr": self.lr, "beta2_decay": self.beta2_decay, "d": self.d, "weight_decay": self.weight_decay}
+
+
+class AdamW8bit(TorchOptimizer):
+    """bitsandbytes' AdamW with both states quantised blockwise to 8 bits: 2 bytes/param (plus one
+    fp32 absmax per 256 values) instead of 8. Tensors under `min_8bit_size` elements keep fp32 states."""
+
+    def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
+                 min_8bit_size: int = 4096, in_backward: bool = False):
+        super().__init__(lr, weight_decay, in_backward)
+        self.betas, self.min_8bit_size = tuple(betas), min_8bit_size
+
+    def check(self, plan: Plan) -> None:
+        super().check(plan)
+        if not _installed("bitsandbytes"):
+            raise Invalid("optimizer=adamw8bit needs bitsandbytes: pip install 'ablate[bnb]'")
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        from bitsandbytes.optim import AdamW8bit  # optional dependency, imported only when used
+
+        return AdamW8bit
+
+    def optimizer_kwargs(self) -> dict:
+        return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay,
+                "min_8bit_size": self.min_8bit_size}

@@ -1,0 +1,63 @@
+"""Every option of the five technique groups through the real CLI on CPU: each point is ok or
+invalid with a reason, never an error."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ablate.schema import GROUPS
+from helpers import CONF, FAST, ROOT, results_under
+
+SWEPT = ("accumulation", "checkpoint", "precision", "optimizer", "offload")
+# On a CPU these can only be invalid rows, each for a stated reason.
+EXPECTED_INVALID = {("offload", "optimizer"): "needs a CUDA device", ("offload", "params"): "needs parallel=fsdp"}
+# Longer sequences for recompute, so that activations, not optimizer states, make the peak.
+EXTRA = {"checkpoint": ["seq_len=32", "batch_size=16"]}
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("techniques")
+    procs = {}
+    for group in SWEPT:  # five multiruns, one per group, two at a time on two cores
+        options = ",".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
+        cmd = [sys.executable, "-m", "ablate", "-m", f"{group}={options}", *FAST, "batch_size=8",
+               *EXTRA.get(group, []), f"out_dir={out}", f"hydra.sweep.dir={out}/{group}"]
+        procs[group] = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if len(procs) % 2 == 0:
+            for p in procs.values():
+                p.wait()
+    logs = {g: p.communicate()[0] for g, p in procs.items()}
+    for group, p in procs.items():
+        assert p.returncode == 0, logs[group][-3000:]
+    return out
+
+
+@pytest.mark.parametrize("group", SWEPT)
+def test_every_option_is_ok_or_invalid_with_a_reason(sweeps, group):
+    rows = {r["choices"][group]: r for r in results_under(sweeps / group)}
+    assert set(rows) == {p.stem for p in (CONF / group).glob("*.yaml")}
+    for option, row in rows.items():
+        expected = EXPECTED_INVALID.get((group, option))
+        if expected:
+            assert row["status"] == "invalid" and expected in row["reason"], (option, row["reason"])
+        else:
+            assert row["status"] == "ok", (option, row["status"], row["reason"])
+            assert row["metrics"]["loss_final"] > 0 and row["metrics"]["breakdown_mib"]["params"] > 0
+        assert set(row["choices"]) == set(GROUPS)
+
+
+def test_the_sweep_shows_the_techniques_effects(sweeps):
+    def metrics(group: str, option: str) -> dict:
+        (row,) = [r for r in results_under(sweeps / group) if r["choices"][group] == option]
+        return row["metrics"]
+
+    acts = lambda group, option: metrics(group, option)["breakdown_mib"]["activations"]  # noqa: E731
+    assert metrics("accumulation", "x4")["peak_allocated_mib"] < metrics("accumulation", "none")["peak_allocated_mib"]
+    assert acts("accumulation", "x4") < acts("accumulation", "none")
+    assert acts("checkpoint", "block") < acts("checkpoint", "none")
+    assert metrics("optimizer", "sgd")["breakdown_mib"]["optimizer"] == 0
+    assert metrics("precision", "bf16_pure")["breakdown_mib"]["params"] * 2 == \
+        metrics("precision", "fp32")["breakdown_mib"]["params"]
