@@ -19,7 +19,8 @@ TOP = {"schema", "run_id", "status", "reason", "choices", "config", "overrides",
 METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
            "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
            "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
-           "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor", "losses", "per_rank"}
+           "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
+           "losses", "per_rank"}
 ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "driver", "world_size", "hostname", "git_sha", "python",
        "slurm_job_id"}
 CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel"}
