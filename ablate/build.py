@@ -39,7 +39,7 @@ class Techniques:
 def plan_of(cfg: dict, device: str, t: Techniques) -> Plan:
     """What every option may know about the others when it checks itself."""
     return Plan(device=device, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"],
-                world_size=t.parallel.nproc, accumulation_steps=t.accumulation.steps,
+                world_size=t.parallel.world_size, accumulation_steps=t.accumulation.steps,
                 grad_scaler=t.precision.scales_loss, param_dtype=t.precision.param_dtype,
                 stochastic_rounding=t.precision.stochastic_rounding, sharded=t.parallel.shards_params,
                 in_backward=t.optimizer.in_backward)
@@ -87,7 +87,7 @@ def build_model(model_cfg: dict, t: Techniques, device: torch.device, compile: b
     if compile:
         model = torch.compile(model)
     # 4. The parallel wrapper comes last: DDP/FSDP must see the final module tree.
-    return t.parallel.wrap(model)
+    return t.parallel.wrap(model, t.precision, t.offload)
 
 
 def build_optimizer(model: nn.Module, t: Techniques) -> torch.optim.Optimizer:

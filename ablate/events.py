@@ -5,7 +5,10 @@ SIGKILL), and so that the worker's own stdout/stderr stay a plain log. Events:
   {"event": "phase", "phase": "init"|"train"|"measure"|"eval"}
   {"event": "progress", "step": k, "steps": N, "loss": float, "elapsed_s": float}
   {"event": "result", "metrics": {...}, "env": {...}}
-  {"event": "failure", "status": "oom"|"invalid"|"error", "reason": str}
+  {"event": "failure", "status": "oom"|"invalid"|"error", "reason": str}   (from any rank)
+  {"event": "started", "pid": int}   (from every rank: lets the job attribute NVML memory to ranks)
+  {"event": "launcher", "failed_rank": r, "exitcode": int}   (torchrun's first failed rank)
+Every event carries "rank".
 """
 from __future__ import annotations
 
@@ -28,11 +31,17 @@ def _clean(value):
 
 
 class EventWriter:
-    def __init__(self, run_dir: str | Path):
+    """Rank 0 speaks for the group; every rank reports its own failure (with its rank), so the job
+    can say which rank failed and how. One short line per write: O_APPEND keeps lines whole."""
+
+    def __init__(self, run_dir: str | Path, rank: int = 0):
+        self.rank = rank
         self._file = open(Path(run_dir) / EVENTS_FILE, "a", encoding="utf-8")
 
     def emit(self, event: str, **fields) -> None:
-        self._file.write(json.dumps(_clean({"event": event, **fields})) + "\n")
+        if self.rank != 0 and event not in ("failure", "started"):
+            return
+        self._file.write(json.dumps(_clean({"event": event, "rank": self.rank, **fields})) + "\n")
         self._file.flush()
 
 

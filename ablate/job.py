@@ -22,6 +22,7 @@ from ablate.build import check_config
 from ablate.console import Progress
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
 from launch.local import Outcome, run_worker
+from launch.nvml import visible_gpu_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,13 +48,26 @@ def job_env() -> dict:
             "python": sys.version.split()[0]}
 
 
+def resolve_nproc(config: dict) -> None:
+    """parallel.nproc=auto -> every visible GPU, or 2 gloo processes where there is none (so a
+    DDP/FSDP sweep runs anywhere). Written into the config: the run_id names the real count."""
+    parallel = config["parallel"]
+    if parallel.get("nproc") == "auto":
+        gpus = visible_gpu_count() if config["device"] != "cpu" else 0
+        parallel["nproc"] = gpus or 2
+
+
 def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
     spec = {"config": config, "run_dir": str(run_dir), "overrides": overrides}
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
-    cmd = [sys.executable, "-m", "ablate.worker", str(spec_path)]
-    return run_worker(cmd, run_dir, config["timeout_s"], on_event=progress)
+    parallel = config["parallel"]
+    distributed = "nproc" in parallel  # every option but `single` runs its ranks under torchrun
+    module = "launch.torchrun" if distributed else "ablate.worker"
+    world = parallel["nproc"] * parallel["nodes"] if distributed else 1
+    return run_worker([sys.executable, "-m", module, str(spec_path)], run_dir, config["timeout_s"],
+                      world_size=world, on_event=progress)
 
 
 def outcome_of(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
@@ -73,6 +87,7 @@ def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    resolve_nproc(config)
     choices = {group: hc.runtime.choices.get(group) for group in GROUPS}
     overrides = list(hc.overrides.task)
     rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})

@@ -1,4 +1,5 @@
-"""One grid point inside the worker: build -> warm up -> trace one step -> timed steps -> eval -> metrics."""
+"""One grid point inside a worker (one rank): build -> warm up -> trace one step -> timed steps ->
+eval -> metrics gathered from every rank. Rank 0 reports for the group."""
 from __future__ import annotations
 
 import math
@@ -6,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from hydra.utils import instantiate
 
 from ablate import measure
@@ -13,6 +15,7 @@ from ablate.build import Techniques, build_model, build_optimizer, check_config,
 from ablate.data import TokenData
 from ablate.events import EventWriter
 from ablate.hardware import flops_per_token, peak_tflops
+from ablate.model import GPT
 from ablate.techniques import Invalid
 from ablate.train import evaluate, train_step
 
@@ -21,11 +24,11 @@ PROGRESS_EVERY_S = 0.5  # at most this often a loss is read back (a device sync)
 
 @dataclass
 class Trained:
-    """What the training phase measured."""
+    """What the training phase measured on this rank."""
 
     steps: int  # measured steps
     times_ms: list[float]
-    losses: list[float]  # every optimizer step, warm-up included
+    losses: list[float]  # every optimizer step, warm-up included, averaged over ranks
     peaks: dict
     breakdown: dict | None = None
     init_peak_mib: float | None = None
@@ -40,6 +43,26 @@ def load_data(cfg: dict) -> TokenData:
     return data
 
 
+def all_ranks(obj) -> list:
+    """`obj` from every rank, in rank order (just [obj] in a single process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def rank_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
+    """Per-step losses averaged over ranks: the loss of the global batch (equal slices per rank)."""
+    if not losses:
+        return []
+    stacked = torch.stack(losses).float()
+    if dist.is_initialized():
+        dist.all_reduce(stacked)  # SUM: gloo has no AVG
+        stacked /= dist.get_world_size()
+    return stacked.tolist()
+
+
 def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, events: EventWriter,
           before_first_step=lambda: None) -> tuple[torch.nn.Module, Trained]:
     mem = measure.DeviceMemory(device)
@@ -50,11 +73,11 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     init_peak = mem.peak_allocated_mib()
     scaler = t.precision.grad_scaler(device.type)
     optimizer_steps = measure.StepCounter(optimizer)
-    B, world, warmup = cfg["batch_size"], t.parallel.nproc, cfg["warmup_steps"]
+    B, rank, world, warmup = cfg["batch_size"], t.parallel.rank, t.parallel.world_size, cfg["warmup_steps"]
     steps = math.ceil(cfg["samples"] / (B * world)) if cfg.get("samples") else cfg["steps"]
 
-    def step(batch) -> torch.Tensor:
-        return train_step(model, optimizer, scaler, t, batch, device)
+    def step(k: int) -> torch.Tensor:  # rank r trains on the r-th slice of global batch k
+        return train_step(model, optimizer, scaler, t, data.train_batch(k, B, rank, world), device)
 
     events.emit("phase", phase="train")
     before_first_step()
@@ -62,19 +85,20 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     losses, first_step_s = [], None
     for k in range(warmup - 1):
         start = time.perf_counter()
-        losses.append(step(data.train_batch(k, B)))
+        losses.append(step(k))
         if k == 0:  # with compile=true this step compiles the graphs
             first_step_s = measure.seconds_since(start, device)
     breakdown, traced_peak = None, None
-    if warmup >= 1:  # the last warm-up step is traced for the memory breakdown (untimed)
-        batch = data.train_batch(warmup - 1, B)
-        breakdown, traced_peak = measure.traced_step(lambda: losses.append(step(batch)), model, optimizer, device)
+    if warmup >= 1 and t.parallel.traceable:  # the last warm-up step is traced for the breakdown (untimed)
+        breakdown, traced_peak = measure.traced_step(lambda: losses.append(step(warmup - 1)),
+                                                     model, optimizer, device)
+    elif warmup >= 1:
+        losses.append(step(warmup - 1))
     events.emit("phase", phase="measure")
     timer, start, last_report = measure.StepTimer(device), time.monotonic(), 0.0
     for k in range(warmup, warmup + steps):
-        batch = data.train_batch(k, B)  # host-side batch assembly stays outside the timed step
         timer.start()
-        losses.append(step(batch))
+        losses.append(step(k))
         timer.stop()
         now = time.monotonic()
         if now - last_report >= PROGRESS_EVERY_S or k == warmup + steps - 1:
@@ -86,26 +110,33 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
         peaks["peak_allocated_mib"] = traced_peak
     taken = optimizer_steps.count
     return model, Trained(steps=steps, times_ms=timer.times_ms(), peaks=peaks, breakdown=breakdown,
-                          losses=torch.stack(losses).tolist() if losses else [], init_peak_mib=init_peak,
+                          losses=rank_mean(losses, device), init_peak_mib=init_peak,
                           compile_s=first_step_s if cfg["compile"] else None,
                           skipped_steps=warmup + steps - taken if taken is not None else None)
 
 
-def metrics(cfg: dict, t: Techniques, model: torch.nn.Module, run: Trained, eval_loss: float | None,
+def _max(values: list):
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def metrics(cfg: dict, t: Techniques, run: Trained, ranks: list[dict], eval_loss: float | None,
             loss_floor: float | None, gpu_name: str | None) -> dict:
-    B, world, T = cfg["batch_size"], t.parallel.nproc, cfg["seq_len"]
-    seconds = sum(run.times_ms) / 1e3
+    """The result's metrics on rank 0; `ranks` holds every rank's peaks, times and init peak."""
+    B, world, T = cfg["batch_size"], t.parallel.world_size, cfg["seq_len"]
+    seconds = max(sum(r["times_ms"]) for r in ranks) / 1e3  # the slowest rank sets the pace
     tokens = run.steps * B * world * T
     mc = gpt_config(cfg["model"])
-    per_token = flops_per_token(model.num_params(non_embedding=True), mc.n_layer, mc.n_embd, T)
-    tflops = per_token * tokens / seconds / world / 1e12 if seconds else None
+    with torch.device("meta"):  # parameter count without touching the (possibly sharded) model
+        n = GPT(mc).num_params(non_embedding=True)
+    tflops = flops_per_token(n, mc.n_layer, mc.n_embd, T) * tokens / seconds / world / 1e12 if seconds else None
     peak = peak_tflops(gpu_name, t.precision.compute_dtype, cfg.get("peak_tflops"))
     mfu = tflops / peak if peak and tflops is not None else None
     tail = run.losses[-max(1, run.steps // 10):]  # loss_final: mean of the last 10% of steps
     return {
-        **run.peaks,
-        "host_peak_rss_mib": measure.host_peak_rss_mib(),
-        "init_peak_allocated_mib": run.init_peak_mib,
+        **{k: _max([r["peaks"][k] for r in ranks]) for k in run.peaks},  # OOM hits the worst rank
+        "host_peak_rss_mib": _max([r["host_peak_rss_mib"] for r in ranks]),
+        "init_peak_allocated_mib": _max([r["init_peak_mib"] for r in ranks]),
         "breakdown_mib": run.breakdown,
         **measure.percentiles(run.times_ms),
         "train_latency_s": seconds,
@@ -122,20 +153,32 @@ def metrics(cfg: dict, t: Techniques, model: torch.nn.Module, run: Trained, eval
         "eval_loss": eval_loss,
         "loss_floor": loss_floor,
         "losses": run.losses,
+        "per_rank": [{"rank": i, "peak_allocated_mib": r["peaks"]["peak_allocated_mib"],
+                      "peak_reserved_mib": r["peaks"]["peak_reserved_mib"], "nvml_peak_mib": None}
+                     for i, r in enumerate(ranks)] if world > 1 else None,
     }
 
 
-def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict:
-    """The whole grid point; returns {"metrics", "env"} for the result event."""
+def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict | None:
+    """The whole grid point on this rank; rank 0 returns {"metrics", "env"} for the result event."""
     cfg = spec["config"]
     device = pick_device(cfg["device"])
     t = check_config(cfg, device.type)
-    data = load_data(cfg)
-    torch.manual_seed(cfg["seed"])
-    t.precision.setup()
-    model, trained = train(cfg, t, data, device, events, before_first_step)
-    events.emit("phase", phase="eval")
-    eval_loss = evaluate(model, data, cfg["batch_size"], t, device)
+    device = t.parallel.setup(device)
+    try:
+        data = load_data(cfg)
+        torch.manual_seed(cfg["seed"])
+        t.precision.setup()
+        model, trained = train(cfg, t, data, device, events, before_first_step)
+        events.emit("phase", phase="eval")
+        eval_loss = evaluate(model, data, cfg["batch_size"], t, device)
+        mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
+                "host_peak_rss_mib": measure.host_peak_rss_mib()}
+        ranks = all_ranks(mine)
+    finally:
+        t.parallel.teardown()
+    if t.parallel.rank != 0:
+        return None
     cuda = device.type == "cuda"
     gpu_name = torch.cuda.get_device_name(device) if cuda else None
     env = {
@@ -143,6 +186,6 @@ def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict
         "cuda": torch.version.cuda,
         "gpu_name": gpu_name,
         "gpu_total_mib": torch.cuda.get_device_properties(device).total_memory / measure.MIB if cuda else None,
-        "world_size": t.parallel.nproc,
+        "world_size": t.parallel.world_size,
     }
-    return {"metrics": metrics(cfg, t, model, trained, eval_loss, data.loss_floor, gpu_name), "env": env}
+    return {"metrics": metrics(cfg, t, trained, ranks, eval_loss, data.loss_floor, gpu_name), "env": env}

@@ -22,14 +22,16 @@ from ablate.runner import run
 from ablate.techniques import Invalid
 
 
-def inject_fault(overrides: list[str]) -> None:
-    """Test hook: ABLATE_FAULT=oom|error|hang|kill[:substring] fails the points whose overrides
-    contain the substring (all points without one), the way a real failure would."""
+def inject_fault(overrides: list[str], rank: int = 0) -> None:
+    """Test hook: ABLATE_FAULT=oom|error|hang|kill[:substring][@rank] fails the points whose
+    overrides contain the substring (all points without one), on one rank (rank 0 without one),
+    the way a real failure would."""
     spec = os.environ.get("ABLATE_FAULT")
     if not spec:
         return
+    spec, _, on_rank = spec.partition("@")
     kind, _, match = spec.partition(":")
-    if match and not any(match in o for o in overrides):
+    if (match and not any(match in o for o in overrides)) or rank != int(on_rank or 0):
         return
     if kind == "oom":
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected by ABLATE_FAULT)")
@@ -61,10 +63,14 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    events = EventWriter(spec["run_dir"])
+    rank = int(os.environ.get("RANK", 0))  # set by torchrun; a single worker is rank 0
+    events = EventWriter(spec["run_dir"], rank)
+    events.emit("started", pid=os.getpid())
     try:
-        inject = functools.partial(inject_fault, spec.get("overrides", []))
-        events.emit("result", **run(spec, events, before_first_step=inject))
+        inject = functools.partial(inject_fault, spec.get("overrides", []), rank)
+        result = run(spec, events, before_first_step=inject)
+        if result is not None:  # rank 0 reports for the group
+            events.emit("result", **result)
         return 0
     except Exception as exc:  # every failure becomes a reported status; the traceback goes to the log
         traceback.print_exc()
@@ -74,4 +80,10 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: tearing down a gloo process group while DDP's reducer is
+    # being freed deadlocks (the reducer's destructor joins gloo threads that wait for the GIL).
+    # Everything worth keeping is already in events.jsonl and the log.
+    os._exit(code)

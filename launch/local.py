@@ -48,23 +48,43 @@ def _last_log_line(log: Path) -> str:
     return lines[-1].strip()[:300] if lines else ""
 
 
-def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[dict], log: Path) -> Outcome:
-    """Status and reason from how the worker ended and what it reported before."""
+def _signal_name(code: int) -> str:
+    return signal.Signals(-code).name if code < 0 else f"exit code {code}"
+
+
+def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[dict], log: Path,
+             world_size: int = 1) -> Outcome:
+    """Status and reason from how the worker (or torchrun's group) ended and what it reported."""
     if timed_out:
         return Outcome("timeout", f"worker still running after timeout_s={timeout_s:g} s; killed")
-    final = next((e for e in reversed(events) if e["event"] in ("result", "failure")), None)
-    if final and final["event"] == "result" and returncode == 0:
-        return Outcome("ok", None, final["metrics"], final["env"])
-    if final and final["event"] == "failure":
-        return Outcome(final["status"], final["reason"])
+    result = next((e for e in events if e["event"] == "result"), None)
+    if result and returncode == 0:
+        return Outcome("ok", None, result["metrics"], result["env"])
+    failures = [e for e in events if e["event"] == "failure"]
+    launcher = next((e for e in events if e["event"] == "launcher"), None)
+    named = (lambda e: f"rank {e['rank']}: {e['reason']}") if world_size > 1 else (lambda e: e["reason"])
+    # A rank's own OOM or invalid report is the root cause; the others then fail on its absence.
+    for e in failures:
+        if e["status"] in ("oom", "invalid"):
+            return Outcome(e["status"], named(e))
+    # A rank killed by a signal reports nothing itself; torchrun's launcher names it.
+    if launcher and launcher["exitcode"] < 0 and launcher["failed_rank"] not in {e["rank"] for e in failures}:
+        name = _signal_name(launcher["exitcode"])
+        hint = " (the host's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
+        return Outcome("error", f"rank {launcher['failed_rank']} killed by {name}{hint}")
+    if failures:
+        return Outcome(failures[0]["status"], named(failures[0]))
+    if launcher:
+        return Outcome("error", f"rank {launcher['failed_rank']} ended with "
+                                f"{_signal_name(launcher['exitcode'])} without a result: {_last_log_line(log)}")
     if returncode < 0:
-        name = signal.Signals(-returncode).name
+        name = _signal_name(returncode)
         hint = " (the host's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
         return Outcome("error", f"worker killed by {name}{hint} without a result")
     return Outcome("error", f"worker exited with code {returncode} without a result: {_last_log_line(log)}")
 
 
-def run_worker(cmd: list[str], run_dir: Path, timeout_s: float,
+def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,
                on_event: Callable[[dict], None] = lambda e: None) -> Outcome:
     """Start `cmd`, follow its events, sample NVML, enforce the time limit; never raises for the
     worker's own failures."""
@@ -98,8 +118,11 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float,
             if proc.poll() is None:
                 _kill_group(proc)
         follow()
-    outcome = classify(proc.returncode, timed_out, timeout_s, events, log)
+    outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
     nvml = sampler.fields()
     outcome.env["driver"] = nvml.pop("driver")
     outcome.metrics.update(nvml)
+    pids = {e["rank"]: e["pid"] for e in events if e["event"] == "started"}
+    for row in outcome.metrics.get("per_rank") or []:
+        row["nvml_peak_mib"] = sampler.peak_by_pid.get(pids.get(row["rank"]))
     return outcome

@@ -5,12 +5,22 @@ Where there is no driver (CPU machines, CI) every field is None.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 
 import psutil
 
 MIB = 2**20
+
+
+def visible_gpu_count() -> int:
+    """GPUs a worker started from here would see, without initialising CUDA in this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    nv = _nvml()
+    return nv.nvmlDeviceGetCount() if nv else 0
 
 
 def _nvml():
@@ -34,6 +44,7 @@ class NvmlSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.peak_mib: float | None = None
+        self.peak_by_pid: dict[int, float] = {}  # MiB, for per-rank peaks under torchrun
         self.util: list[float] = []
         if self.nvml:
             n = self.nvml.nvmlDeviceGetCount()
@@ -69,7 +80,10 @@ class NvmlSampler:
         nv, pids = self.nvml, self._pids()
         total, used_devices = 0, []
         for i, h in enumerate(self._handles):
-            mine = [p.usedGpuMemory or 0 for p in nv.nvmlDeviceGetComputeRunningProcesses(h) if p.pid in pids]
+            procs = [p for p in nv.nvmlDeviceGetComputeRunningProcesses(h) if p.pid in pids]
+            for p in procs:
+                self.peak_by_pid[p.pid] = max(self.peak_by_pid.get(p.pid, 0.0), (p.usedGpuMemory or 0) / MIB)
+            mine = [p.usedGpuMemory or 0 for p in procs]
             if not mine:  # pid namespaces hide the worker: count the device's growth instead
                 grown = nv.nvmlDeviceGetMemoryInfo(h).used - self._baseline[i]
                 mine = [grown] if grown > 0 else []

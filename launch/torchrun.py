@@ -1,0 +1,51 @@
+"""`python -m launch.torchrun <spec.json>`: every rank of one grid point through torchrun's own
+launcher (torch.distributed.run), and a structured report of which rank failed first.
+
+Run as the job's child instead of the `torchrun` script so that a failure comes back as torch's
+ChildFailedError (rank, exit code) rather than as text on stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ablate.events import EventWriter
+
+RDZV_PORT_BASE = 29400  # multi-node: port on the first node, offset by the SLURM job id
+
+
+def rendezvous_args(nproc: int, nodes: int) -> list[str]:
+    """Single node: standalone rendezvous on a free port (port 0), so sweeps on one host never
+    collide. Several nodes: c10d rendezvous on the allocation's first node, from SLURM's env."""
+    if nodes == 1:
+        return ["--standalone", f"--nproc-per-node={nproc}"]
+    hosts = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()
+    job = int(os.environ["SLURM_JOB_ID"])
+    return [f"--nnodes={nodes}", f"--nproc-per-node={nproc}", f"--node-rank={os.environ['SLURM_NODEID']}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts[0]}:{RDZV_PORT_BASE + job % 1000}",
+            f"--rdzv-id={job}"]
+
+
+def main(spec_path: str) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    spec = json.loads(Path(spec_path).read_text())
+    parallel = spec["config"]["parallel"]
+    argv = [*rendezvous_args(parallel["nproc"], parallel["nodes"]), "--monitor-interval=0.2",
+            "-m", "ablate.worker", spec_path]
+    try:
+        run(get_args_parser().parse_args(argv))
+        return 0
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        EventWriter(spec["run_dir"]).emit("launcher", failed_rank=rank, exitcode=failure.exitcode)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
