@@ -7,7 +7,7 @@ SIGKILL), and so that the worker's own stdout/stderr stay a plain log. Events:
   {"event": "result", "metrics": {...}, "env": {...}}
   {"event": "failure", "status": "oom"|"invalid"|"error", "reason": str}   (from any rank)
   {"event": "started", "pid": int}   (from every rank: lets the job attribute NVML memory to ranks)
-  {"event": "launcher", "failed_rank": r, "exitcode": int}   (torchrun's first failed rank)
+  {"event": "launcher", "failures": [{"rank": r, "exitcode": int}, ...]}   (torchrun's failed ranks)
 Every event carries "rank".
 """
 from __future__ import annotations

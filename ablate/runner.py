@@ -165,18 +165,18 @@ def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict
     device = pick_device(cfg["device"])
     t = check_config(cfg, device.type)
     device = t.parallel.setup(device)
-    try:
-        data = load_data(cfg)
-        torch.manual_seed(cfg["seed"])
-        t.precision.setup()
-        model, trained = train(cfg, t, data, device, events, before_first_step)
-        events.emit("phase", phase="eval")
-        eval_loss = evaluate(model, data, cfg["batch_size"], t, device)
-        mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
-                "host_peak_rss_mib": measure.host_peak_rss_mib()}
-        ranks = all_ranks(mine)
-    finally:
-        t.parallel.teardown()
+    data = load_data(cfg)
+    torch.manual_seed(cfg["seed"])
+    t.precision.setup()
+    model, trained = train(cfg, t, data, device, events, before_first_step)
+    events.emit("phase", phase="eval")
+    eval_loss = evaluate(model, data, cfg["batch_size"], t, device)
+    mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
+            "host_peak_rss_mib": measure.host_peak_rss_mib()}
+    ranks = all_ranks(mine)
+    # Only on success: a failing rank exits at once (the worker reports and leaves), and torchrun
+    # then stops the others; waiting for them in a barrier here would hang the group.
+    t.parallel.teardown()
     if t.parallel.rank != 0:
         return None
     cuda = device.type == "cuda"

@@ -67,16 +67,20 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
     for e in failures:
         if e["status"] in ("oom", "invalid"):
             return Outcome(e["status"], named(e))
-    # A rank killed by a signal reports nothing itself; torchrun's launcher names it.
-    if launcher and launcher["exitcode"] < 0 and launcher["failed_rank"] not in {e["rank"] for e in failures}:
-        name = _signal_name(launcher["exitcode"])
+    # A rank killed by a signal reports nothing itself, and its peers then fail on the broken
+    # connection: the launcher's list of failed ranks names the one that died silently.
+    died = launcher["failures"] if launcher else []
+    silent = [f for f in died if f["exitcode"] < 0 and f["rank"] not in {e["rank"] for e in failures}]
+    silent.sort(key=lambda f: f["exitcode"] == -signal.SIGTERM)  # torchrun SIGTERMs the survivors
+    if silent:
+        name = _signal_name(silent[0]["exitcode"])
         hint = " (the host's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
-        return Outcome("error", f"rank {launcher['failed_rank']} killed by {name}{hint}")
+        return Outcome("error", f"rank {silent[0]['rank']} killed by {name}{hint}")
     if failures:
         return Outcome(failures[0]["status"], named(failures[0]))
-    if launcher:
-        return Outcome("error", f"rank {launcher['failed_rank']} ended with "
-                                f"{_signal_name(launcher['exitcode'])} without a result: {_last_log_line(log)}")
+    if died:
+        return Outcome("error", f"rank {died[0]['rank']} ended with {_signal_name(died[0]['exitcode'])} "
+                                f"without a result: {_last_log_line(log)}")
     if returncode < 0:
         name = _signal_name(returncode)
         hint = " (the host's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""

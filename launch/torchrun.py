@@ -41,9 +41,10 @@ def main(spec_path: str) -> int:
     try:
         run(get_args_parser().parse_args(argv))
         return 0
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        EventWriter(spec["run_dir"]).emit("launcher", failed_rank=rank, exitcode=failure.exitcode)
+    except ChildFailedError as exc:  # every failed rank: which died of a signal tells the root cause
+        failed = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
+        EventWriter(spec["run_dir"]).emit("launcher", failures=[{"rank": r, "exitcode": f.exitcode}
+                                                                for r, f in failed])
         return 1
 
 

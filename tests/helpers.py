@@ -30,7 +30,9 @@ def compose_config(overrides: list[str] = ()) -> dict:
 def run_cli(args: list[str], out_dir: Path, env: dict | None = None, timeout: float = 300,
             fast: bool = True) -> subprocess.CompletedProcess:
     """`python -m ablate ARGS` with outputs under out_dir; never raises on a non-zero exit."""
-    cmd = [sys.executable, "-m", "ablate", *args, f"out_dir={out_dir}", *(FAST if fast else [])]
+    keys = {a.split("=")[0] for a in args}
+    defaults = [f for f in FAST if f.split("=")[0] not in keys] if fast else []  # args win over FAST
+    cmd = [sys.executable, "-m", "ablate", *args, f"out_dir={out_dir}", *defaults]
     full_env = {k: v for k, v in os.environ.items() if k != "ABLATE_FAULT"}
     full_env.update(env or {})
     return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -31,6 +31,22 @@ def test_outcome_classification(tmp_path):
     assert crashed.status == "error" and "code 3" in crashed.reason and "ValueError: boom" in crashed.reason
 
 
+def test_rank_failures_name_the_root_cause(tmp_path):
+    log = tmp_path / "worker.log"
+    log.write_text("")
+    gloo = {"event": "failure", "rank": 0, "status": "error", "reason": "RuntimeError: Connection closed by peer"}
+    launcher = {"event": "launcher", "failures": [{"rank": 0, "exitcode": 1}, {"rank": 1, "exitcode": -9},
+                                                   {"rank": 2, "exitcode": -15}]}
+    killed = classify(1, False, 10, [gloo, launcher], log, world_size=3)
+    assert (killed.status, killed.reason) == ("error", "rank 1 killed by SIGKILL (the host's out-of-memory "
+                                                       "killer sends SIGKILL)")
+    oom = {"event": "failure", "rank": 1, "status": "oom", "reason": "CUDA out of memory"}
+    assert classify(1, False, 10, [gloo, oom, launcher], log, world_size=3).reason == "rank 1: CUDA out of memory"
+    crashed = classify(1, False, 10, [gloo, {"event": "launcher", "failures": [{"rank": 0, "exitcode": 1}]}], log,
+                       world_size=2)
+    assert crashed.reason == "rank 0: RuntimeError: Connection closed by peer"
+
+
 def test_exception_classification():
     assert classify_exception(torch.OutOfMemoryError("CUDA out of memory. Tried"))[0] == "oom"
     assert classify_exception(RuntimeError("DefaultCPUAllocator: can't allocate memory: 9 GB"))[0] == "oom"

@@ -1,0 +1,88 @@
+"""DDP and FSDP under torchrun with 2 gloo ranks on CPU: same math as one process with the global
+batch, per-rank metrics, and a failing rank named in its row."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import results_under, run_cli
+
+RUNS = 5  # warm-up 2 + measured 3 steps (tests/helpers.py FAST)
+# SGD for the equivalence runs: Adam divides by the root of the second moment, which turns the
+# float noise of a different reduction order (on gradients that are ~0, like the attention's key
+# bias) into lr-sized steps; SGD keeps a 1e-7 difference at 1e-7.
+EXACT = ["optimizer=sgd"]
+
+
+@pytest.fixture(scope="module")
+def single_16(tmp_path_factory):
+    """The reference: one process with the global batch of 2 ranks x 8."""
+    out = tmp_path_factory.mktemp("single")
+    proc = run_cli(["batch_size=16", *EXACT], out)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = results_under(out)
+    assert row["status"] == "ok" and len(row["metrics"]["losses"]) == RUNS
+    return row["metrics"]["losses"]
+
+
+@pytest.fixture(scope="module")
+def verbatim(tmp_path_factory):
+    """The README's command, verbatim but for a tiny model (FAST) and batch 8 per rank."""
+    out = tmp_path_factory.mktemp("verbatim")
+    proc = run_cli(["-m", "parallel=fsdp,ddp", "checkpoint=none,block", "batch_size=8", *EXACT,
+                    f"hydra.sweep.dir={out}/s"], out)
+    assert proc.returncode == 0, proc.stderr
+    return results_under(out / "s")
+
+
+def test_verbatim_sweep_gives_four_ok_rows_with_two_ranks(verbatim):
+    assert sorted((r["choices"]["parallel"], r["choices"]["checkpoint"]) for r in verbatim) == \
+        [("ddp", "block"), ("ddp", "none"), ("fsdp", "block"), ("fsdp", "none")]
+    for r in verbatim:
+        m = r["metrics"]
+        assert r["status"] == "ok", r["reason"]
+        assert r["env"]["world_size"] == 2 and r["config"]["parallel"]["nproc"] == 2  # auto -> 2 on CPU
+        assert [p["rank"] for p in m["per_rank"]] == [0, 1]
+        assert m["peak_allocated_mib"] == max(p["peak_allocated_mib"] for p in m["per_rank"])
+
+
+def test_ddp_and_fsdp_match_one_process_with_the_global_batch(verbatim, single_16):
+    for r in verbatim:
+        assert r["metrics"]["losses"] == pytest.approx(single_16, abs=1e-5), r["choices"]
+
+
+def test_fsdp_shards_what_ddp_replicates(tmp_path):
+    proc = run_cli(["-m", "parallel=ddp,fsdp", "batch_size=8", f"hydra.sweep.dir={tmp_path}/s"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    m = {r["choices"]["parallel"]: r["metrics"] for r in results_under(tmp_path / "s")}
+    # AdamW's states are sharded: each FSDP rank holds half of what every DDP rank holds.
+    assert m["fsdp"]["breakdown_mib"]["optimizer"] == pytest.approx(m["ddp"]["breakdown_mib"]["optimizer"] / 2,
+                                                                    rel=0.1)
+    assert m["fsdp"]["peak_allocated_mib"] < m["ddp"]["peak_allocated_mib"]
+
+
+def test_fsdp_grad_op_and_fsdp1_match_too(tmp_path, single_16):
+    proc = run_cli(["-m", "parallel=fsdp_grad_op,fsdp1", "batch_size=8", *EXACT, f"hydra.sweep.dir={tmp_path}/s"],
+                   tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = results_under(tmp_path / "s")
+    assert sorted(r["choices"]["parallel"] for r in rows) == ["fsdp1", "fsdp_grad_op"]
+    for r in rows:
+        assert r["status"] == "ok", r["reason"]
+        assert r["metrics"]["losses"] == pytest.approx(single_16, abs=1e-5), r["choices"]
+
+
+def test_a_killed_rank_is_named_and_the_sweep_goes_on(tmp_path):
+    proc = run_cli(["-m", "parallel=ddp,fsdp", "checkpoint=block", "accumulation=x2", "precision=bf16",
+                    "timeout_s=120", f"hydra.sweep.dir={tmp_path}/s"], tmp_path,
+                   env={"ABLATE_FAULT": "kill:parallel=ddp@1"})
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["choices"]["parallel"]: r for r in results_under(tmp_path / "s")}
+    assert rows["ddp"]["status"] == "error" and rows["ddp"]["reason"].startswith("rank 1 killed by SIGKILL")
+    assert rows["ddp"]["timing"]["wall_s"] < 120
+    assert rows["fsdp"]["status"] == "ok", rows["fsdp"]["reason"]  # fsdp + block + x2 + bf16 runs
+
+
+def test_a_rank_oom_is_an_oom_row_naming_the_rank(tmp_path):
+    run_cli(["parallel=ddp"], tmp_path, env={"ABLATE_FAULT": "oom@1"})
+    (row,) = results_under(tmp_path)
+    assert row["status"] == "oom" and row["reason"].startswith("rank 1: CUDA out of memory")
