@@ -132,7 +132,7 @@ def test_event_reader_waits_for_complete_lines(tmp_path):
     writer.emit("phase", phase="init", x=float("inf"))
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('{"event": "prog')
-    assert reader.read_new() == [{"event": "phase", "phase": "init", "x": None}]
+    assert reader.read_new() == [{"event": "phase", "rank": 0, "phase": "init", "x": None}]
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('ress"}\n')
     assert reader.read_new() == [{"event": "progress"}]
