@@ -5,9 +5,12 @@ started (torchrun's ranks included), and never the sweep.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,34 @@ class Outcome:
     reason: str | None
     metrics: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+
+
+# Signals that stop a job from outside: SLURM sends SIGUSR2 `signal_delay_s` before its time limit
+# (submitit's setting) and SIGTERM on scancel or preemption. The point still gets its row.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel SIGKILLs it if the job process dies (e.g. SIGKILLed),
+    so no orphaned worker keeps a GPU busy. Linux only; elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def _stop_signals(stopped: list):
+    """While the worker runs, a stop signal is recorded (and acted on by the wait loop)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda sig, frame: stopped.append(sig)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -93,12 +124,12 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
     """Start `cmd`, follow its events, sample NVML, enforce the time limit; never raises for the
     worker's own failures."""
     log = run_dir / "worker.log"
-    reader, events, timed_out = EventReader(run_dir), [], False
+    reader, events, timed_out, stopped = EventReader(run_dir), [], False, []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
-    with NvmlSampler(proc.pid) as sampler:
+                                start_new_session=True, env=env, preexec_fn=_die_with_parent)
+    with NvmlSampler(proc.pid) as sampler, _stop_signals(stopped):
 
         def follow() -> None:
             for event in reader.read_new():
@@ -114,6 +145,8 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                 if time.monotonic() > deadline:
                     timed_out = True
                     break
+                if stopped:
+                    break
                 try:
                     proc.wait(timeout=0.2)
                 except subprocess.TimeoutExpired:
@@ -123,6 +156,10 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                 _kill_group(proc)
         follow()
     outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
+    if stopped and outcome.status != "ok":
+        name = signal.Signals(stopped[0]).name
+        outcome = Outcome("timeout" if stopped[0] == signal.SIGUSR2 else "error",
+                          f"the job received {name} (SLURM time limit, scancel or preemption); worker killed")
     nvml = sampler.fields()
     outcome.env["driver"] = nvml.pop("driver")
     outcome.metrics.update(nvml)

@@ -1,9 +1,15 @@
 """Fault injection through the real CLI: every failure becomes a row, and the sweep goes on."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import psutil
 
-from helpers import results_under, run_cli
+from helpers import FAST, ROOT, results_under, run_cli
 
 
 def _by_optimizer(path):
@@ -54,3 +60,38 @@ def test_invalid_combination_is_a_row_and_starts_no_worker(tmp_path):
     assert rows[3]["reason"] == "batch_size=4 is not divisible by accumulation.steps=3"
     assert rows[1]["status"] == "ok"
     assert len(list((tmp_path / "s").rglob("worker.log"))) == 1
+
+
+def _job_with_a_hung_worker(tmp_path) -> subprocess.Popen:
+    env = {**os.environ, "ABLATE_FAULT": "hang"}
+    job = subprocess.Popen([sys.executable, "-m", "ablate", f"out_dir={tmp_path}", *FAST], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not any('"train"' in p.read_text() for p in tmp_path.rglob("events.jsonl")):
+        assert time.monotonic() < deadline and job.poll() is None
+        time.sleep(0.2)
+    return job
+
+
+def _workers_of(tmp_path) -> list:
+    spec = str(next(tmp_path.rglob("spec.json")))
+    return [p for p in psutil.process_iter(["cmdline"]) if spec in (p.info["cmdline"] or [])]
+
+
+def test_a_job_stopped_by_sigterm_still_writes_its_row(tmp_path):
+    job = _job_with_a_hung_worker(tmp_path)
+    job.send_signal(signal.SIGTERM)  # what scancel sends
+    assert job.wait(timeout=60) == 0
+    (row,) = results_under(tmp_path)
+    assert row["status"] == "error" and "received SIGTERM" in row["reason"]
+    assert not _workers_of(tmp_path)
+
+
+def test_a_sigkilled_job_takes_its_worker_along(tmp_path):
+    job = _job_with_a_hung_worker(tmp_path)
+    job.kill()  # nothing can run in the job now: the kernel ends the worker (PR_SET_PDEATHSIG)
+    job.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _workers_of(tmp_path):
+        assert time.monotonic() < deadline, "the worker outlived its job"
+        time.sleep(0.2)
