@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -83,19 +84,45 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str], progress: Prog
         return Outcome("error", f"launch failed: {type(exc).__name__}: {exc}")
 
 
+@dataclass
+class Point:
+    """One grid point as the job and the launcher see it, before anything runs."""
+
+    config: dict  # resolved, without the hydra node
+    choices: dict  # group -> option name
+    overrides: list[str]
+    run_id: str
+    run_dir: Path
+    label: str
+
+    @classmethod
+    def of(cls, cfg: DictConfig, hydra: DictConfig, run_dir: Path) -> "Point":
+        if "hydra" in cfg:  # the launcher's sweep config: resolve the run config only
+            cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        resolve_nproc(config)
+        rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
+        return cls(config, {g: hydra.runtime.choices.get(g) for g in GROUPS}, list(hydra.overrides.task), rid,
+                   run_dir, hydra.job.override_dirname or "defaults")
+
+    def record(self, status: str, reason: str | None, metrics: dict | None = None, env: dict | None = None,
+               timing: dict | None = None) -> dict:
+        """Write this point's result.json (and its index entry); returns the result."""
+        result = results.make(self.run_id, status, reason, self.choices, self.config, self.overrides,
+                              metrics=metrics, env={**job_env(), **(env or {})}, timing=timing)
+        path = self.run_dir / results.RESULT_FILE
+        results.write_json(path, result)
+        results.Index(self.config["out_dir"]).record(self.run_id, path)
+        return result
+
+
 def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
-    run_dir = Path(hc.runtime.output_dir)
-    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    resolve_nproc(config)
-    choices = {group: hc.runtime.choices.get(group) for group in GROUPS}
-    overrides = list(hc.overrides.task)
-    rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
-    index = results.Index(config["out_dir"])
-    result_path = run_dir / results.RESULT_FILE
-    progress = Progress(hc.job.override_dirname or "defaults")
+    point = Point.of(cfg, hc, Path(hc.runtime.output_dir))
+    result_path = point.run_dir / results.RESULT_FILE
+    progress = Progress(point.label)
 
-    found = index.terminal(rid) if config["skip_existing"] else None
+    found = results.Index(point.config["out_dir"]).terminal(point.run_id) if point.config["skip_existing"] else None
     if found:
         path, result = found
         if path != result_path.resolve():  # this sweep's directory gets the earlier result too
@@ -104,12 +131,11 @@ def run_point(cfg: DictConfig) -> dict:
         return result
 
     started, t0 = datetime.now(timezone.utc), time.monotonic()
-    outcome = outcome_of(config, run_dir, overrides, progress)
+    outcome = outcome_of(point.config, point.run_dir, point.overrides, progress)
     timing = {"started_at": started.isoformat(), "finished_at": datetime.now(timezone.utc).isoformat(),
               "wall_s": time.monotonic() - t0}
-    result = results.make(rid, outcome.status, outcome.reason, choices, config, overrides,
-                          metrics=outcome.metrics, env={**job_env(), **outcome.env}, timing=timing)
-    results.write_json(result_path, result)
-    index.record(rid, result_path)
+    if int(os.environ.get("SLURM_PROCID", 0)) != 0:
+        return {}  # multi-node: every node ran its ranks; the first node's task writes the row
+    result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing)
     progress.done(result, str(result_path))
     return result
