@@ -120,3 +120,13 @@ def test_compile_reports_its_time_apart_and_keeps_the_losses(tmp_path):
     assert c["status"] == "ok" and e["metrics"]["compile_s"] is None
     assert c["metrics"]["compile_s"] > 10 * c["metrics"]["iter_time_ms"] / 1e3  # compiling dwarfs a step
     assert c["metrics"]["losses"] == pytest.approx(e["metrics"]["losses"], abs=1e-4)
+
+
+def test_submitit_local_runs_points_one_at_a_time(tmp_path):
+    proc = run_cli(["-m", "hydra/launcher=submitit_local", "optimizer=adamw,sgd", f"hydra.sweep.dir={tmp_path}/s"],
+                   tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted(results_under(tmp_path / "s"), key=lambda r: r["timing"]["started_at"])
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert rows[0]["timing"]["finished_at"] <= rows[1]["timing"]["started_at"]  # no overlap
+    assert (tmp_path / "s" / ".submitit").is_dir()

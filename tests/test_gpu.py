@@ -29,3 +29,12 @@ def test_gpu_point_measures_allocator_nvml_and_mfu(tmp_path):
     assert m["breakdown_mib"]["params"] == pytest.approx(124_439_808 * 4 / 2**20, rel=1e-3)
     if m["mfu"] is not None:
         assert 0 < m["mfu"] < 1
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_one_rank_on_nccl_runs_and_reports(tmp_path, parallel):
+    proc = run_cli([f"parallel={parallel}", "parallel.nproc=1", "device=cuda"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (r,) = results_under(tmp_path)
+    assert r["status"] == "ok", r["reason"]
+    assert r["env"]["world_size"] == 1 and r["metrics"]["peak_reserved_mib"] > 0

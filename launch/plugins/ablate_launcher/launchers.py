@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher as PluginLocalLauncher
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as PluginSlurmLauncher
 from omegaconf import OmegaConf
 
@@ -67,3 +68,14 @@ class SlurmLauncher(PluginSlurmLauncher):
         run_dir.mkdir(parents=True, exist_ok=True)
         log.error(f"{run_dir}: {reason}")
         return Point.of(cfg, cfg.hydra, run_dir).record("error", reason)
+
+
+class LocalLauncher(PluginLocalLauncher):
+    """hydra-submitit-launcher's local launcher, one point at a time: points running side by side
+    would share (and pollute) the GPU memory each of them measures."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        returns: list[JobReturn] = []
+        for i, overrides in enumerate(job_overrides):
+            returns += super().launch([overrides], initial_job_idx + i)
+        return returns
