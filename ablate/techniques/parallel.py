@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ablate.techniques import Invalid, Option, Plan
+from ablate.techniques.precision import DTYPES
 
 
 class Single(Option):
@@ -119,7 +120,7 @@ class FSDP(_Distributed):
 
         kwargs = {"reshard_after_forward": self.reshard_after_forward}
         if precision.autocast_dtype:  # compute in the autocast dtype, reduce gradients in fp32
-            low = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[precision.autocast_dtype])
+            low = DTYPES[precision.autocast_dtype]
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         if hasattr(offload, "cpu_offload_policy"):
             kwargs["offload_policy"] = offload.cpu_offload_policy()
@@ -180,7 +181,7 @@ class FSDP1(_Distributed):
                     "none": None}[self.backward_prefetch]
         mixed = None
         if precision.autocast_dtype:
-            low = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[precision.autocast_dtype])
+            low = DTYPES[precision.autocast_dtype]
             mixed = fsdp.MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
         device = next(model.parameters()).device
         return fsdp.FullyShardedDataParallel(
