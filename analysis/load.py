@@ -28,7 +28,11 @@ def _row(result: dict, path: Path) -> dict:
     row.update({g: (result.get("choices") or {}).get(g) for g in GROUPS})
     config = result.get("config") or {}
     row.update({k: config.get(k) for k in RUN_KEYS})
+    row["accumulation_steps"] = (config.get("accumulation") or {}).get("steps")
     row.update({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))})
+    row["losses"] = metrics.get("losses") or None  # per-step list, for loss curves
+    prediction = result.get("prediction") or {}
+    row["predicted_peak_mib"] = prediction.get("peak_mib")
     for k, v in (metrics.get("breakdown_mib") or {}).items():
         row[f"breakdown_{k}_mib"] = v
     row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})

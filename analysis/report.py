@@ -1,7 +1,9 @@
-"""`python -m analysis.report PATH [PATH ...] [--out DIR]`: one table of every run below PATH.
+"""`python -m analysis.report PATH [PATH ...]`: every result.json below the paths -> the tables and
+plots memory studies publish.
 
-Prints Markdown to stdout and writes report.md and runs.csv (every column) to --out
-(default: <first PATH>/report/). Failed points stay in the table with their status.
+Prints Markdown to stdout; writes report.md (tables and plots), runs.csv (one row per run, every
+column) and the PNGs to --out (default <first PATH>/report/), and report.html with --format html.
+Failed points stay in every table, as OOM / invalid / error / timeout cells.
 """
 from __future__ import annotations
 
@@ -11,69 +13,104 @@ from pathlib import Path
 
 import pandas as pd
 
-from ablate.schema import GROUPS
-from analysis.load import RUN_KEYS, load
+from analysis import tables
+from analysis.load import load
 
-# (column in the data, heading). Memory is the torch allocator's peak of allocated bytes, MiB.
-METRICS = (
-    ("peak_allocated_mib", "Peak allocated (MiB)"),
-    ("iter_time_ms", "Iteration time (ms)"),
-    ("tokens_per_s", "Tokens/s"),
-    ("loss_final", "Final loss"),
-    ("eval_loss", "Eval loss"),
-)
-FOOTNOTE = ("Peak allocated: the torch caching allocator's peak of allocated bytes during training "
-            "(on CPU, the peak of live tensor bytes traced by torch's MemTracker). MiB = 2^20 bytes. "
-            "Iteration time: median over the measured steps.")
+TABLES = ("setting", "batch", "full")
 
 
-def varied(df: pd.DataFrame) -> list[str]:
-    """The group and run-key columns whose value differs between rows (at least `model`)."""
-    cols = [c for c in (*GROUPS, *RUN_KEYS) if c in df and df[c].astype(str).nunique() > 1]
-    return cols or ["model"]
+def _parse_baseline(text: str | None) -> dict[str, str] | None:
+    if not text:
+        return None
+    pairs = [item.split("=", 1) for item in text.split(",")]
+    if any(len(p) != 2 for p in pairs):
+        raise SystemExit(f"--baseline {text!r}: expected key=value[,key=value...]")
+    return dict(pairs)
 
 
-def _cell(value, column: str) -> str:
-    if value is None or pd.isna(value):
-        return ""
-    if column == "tokens_per_s":
-        return f"{value:,.0f}"
-    return f"{value:.4f}" if "loss" in column else f"{value:,.1f}"
+def sections(df: pd.DataFrame, labels: list[str], base_i: int, which: tuple[str, ...],
+             ladder: bool) -> list[tuple[str, pd.DataFrame]]:
+    """(title, table) in reading order."""
+    out = []
+    if "setting" in which:
+        out.append(("Setting" + (" (ladder)" if ladder else ""), tables.setting(df, labels, base_i, ladder)))
+    if "batch" in which and "batch_size" in labels:
+        out += [(f"Batch size scan: {title}", t) for title, t in tables.batch(df, labels).items()]
+    if "full" in which:
+        out.append(("All runs", tables.full(df, labels, base_i)))
+        effects = tables.marginal(df, labels)
+        if not effects.empty and (effects["Pairs"] != "0").any():
+            out.append(("Marginal effects (median change against each group's do-nothing option)", effects))
+    return out
 
 
-def table(df: pd.DataFrame) -> pd.DataFrame:
-    labels = varied(df)
-    out = df[labels].copy()
-    for column, heading in METRICS:
-        values = df[column] if column in df else pd.Series([None] * len(df), index=df.index)
-        out[heading] = [_cell(v, column) if s == "ok" else (s.upper() if column == METRICS[0][0] else "")
-                        for v, s in zip(values, df["status"])]
-    out["Status"] = [s if s == "ok" else f"{s}: {r}" for s, r in zip(df["status"], df["reason"])]
-    return out.sort_values(labels, kind="stable").reset_index(drop=True)
+def markdown(table: pd.DataFrame, labels: list[str]) -> str:
+    align = ["left" if c in labels or c in ("Setting", "Group", "Option", "Status") else "right"
+             for c in table.columns]
+    return table.to_markdown(index=False, colalign=align, disable_numparse=True)
 
 
-def render(df: pd.DataFrame) -> str:
-    t = table(df)
-    align = ["left"] * len(varied(df)) + ["right"] * len(METRICS) + ["left"]
-    return t.to_markdown(index=False, colalign=align, disable_numparse=True) + f"\n\n{FOOTNOTE}\n"
+def render(title: str, parts: list[tuple[str, pd.DataFrame]], labels: list[str], images: list[Path]) -> str:
+    text = [f"# {title}", ""]
+    for heading, table in parts:
+        text += [f"## {heading}", "", markdown(table, labels), ""]
+    text += [tables.FOOTNOTE, ""]
+    text += [f"![{p.stem}]({p.name})" for p in images]
+    return "\n".join(text) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", help="directories (searched recursively) or result.json files")
-    parser.add_argument("--out", help="where report.md and runs.csv go (default: <PATH>/report)")
+    parser.add_argument("--by", nargs="+", help="columns that label a run (default: every varied group)")
+    parser.add_argument("--baseline", help="the reference run, e.g. optimizer=adamw,batch_size=32")
+    parser.add_argument("--ladder", action="store_true", help="rows are cumulative: also Δ vs previous row")
+    parser.add_argument("--table", choices=TABLES, action="append", help="only these tables (repeatable)")
+    parser.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what stdout gets")
+    parser.add_argument("--out", help="where report.md, runs.csv and the plots go (default: <PATH>/report)")
     args = parser.parse_args(argv)
+
     df = load(args.paths)
     if df.empty:
         print(f"no result.json found under {' '.join(args.paths)}", file=sys.stderr)
         return 1
-    text = render(df)
-    print(text)
+    labels = args.by or tables.varied(df)
+    missing = [c for c in labels if c not in df]
+    if missing:
+        print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(tables.varied(df))})", file=sys.stderr)
+        return 2
+    df = df.sort_values(labels, kind="stable").reset_index(drop=True)
+    try:
+        base_i = tables.baseline_index(df, labels, _parse_baseline(args.baseline))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.ladder:  # a ladder keeps the order its runs were made in
+        df = df.sort_values("finished_at", kind="stable").reset_index(drop=True)
+        base_i = df.index[0]
     out = Path(args.out) if args.out else Path(args.paths[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
+    from analysis.plots import all_plots  # matplotlib only when plotting
+
+    images = all_plots(df, labels, out)
+    parts = sections(df, labels, base_i, tuple(args.table or TABLES), args.ladder)
+    text = render(f"ablate report: {len(df)} runs", parts, labels, images)
     (out / "report.md").write_text(text)
     df.to_csv(out / "runs.csv", index=False)
-    print(f"wrote {out / 'report.md'} and {out / 'runs.csv'}", file=sys.stderr)
+    if args.format == "html":
+        from analysis.html import Section, page, write
+
+        notes = [tables.FOOTNOTE] + [""] * (len(parts) - 1)  # the units, once, under the first table
+        html = page(f"ablate report: {len(df)} runs",
+                    [Section(t, tab, note) for (t, tab), note in zip(parts, notes)], images)
+        write(out / "report.html", html)
+        print(html)
+    elif args.format == "csv":
+        tables.full(df, labels, base_i).to_csv(sys.stdout, index=False)
+    else:
+        print(text)
+    print(f"wrote {out}/report.md, runs.csv{', report.html' if args.format == 'html' else ''} and "
+          f"{len(images)} plots", file=sys.stderr)
     return 0
 
 

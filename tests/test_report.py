@@ -1,60 +1,146 @@
-"""analysis.report: every result.json below a path -> one Markdown table and a CSV."""
+"""analysis.report: result trees -> tables checked cell by cell (labels, deltas, OOM cells, order,
+rounding), robustness to bad files, and the command's options."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
 import pandas as pd
+import pytest
 
 from ablate import results
+from analysis import tables
 from analysis.load import load
-from analysis.report import main, render
+from analysis.report import main
 from helpers import ROOT
 
+BASE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none", "offload": "none",
+        "parallel": "single", "model": "gpt2-large", "data": "synthetic"}
 
-def _write(path, run_id, status, optimizer, peak=None, finished="2026-01-01T00:00:00", reason=None):
-    metrics = {"peak_allocated_mib": peak, "iter_time_ms": 12.5 if peak else None,
-               "tokens_per_s": 1234.0 if peak else None, "loss_final": 3.25 if peak else None}
-    choices = {"model": "gpt-nano", "optimizer": optimizer}
-    r = results.make(run_id, status, reason, choices, {"batch_size": 8}, [], metrics=metrics,
+
+def _write(root, name, status="ok", peak=None, latency=None, batch=128, steps=1, finished="2026-01-01T00:00:00",
+           reason=None, gpu="NVIDIA H100 80GB HBM3", util=None, loss=3.0, tflops=10.0, **choices):
+    metrics = {"peak_allocated_mib": peak, "train_latency_s": latency, "iter_time_ms": latency and latency * 10,
+               "tokens_per_s": latency and 1000 / latency, "tflops": tflops if peak else None,
+               "loss_final": loss if peak else None, "gpu_util_pct_mean": util and util[0],
+               "gpu_util_pct_std": util and util[1], "losses": [4.0, loss] if peak else []}
+    config = {"batch_size": batch, "accumulation": {"steps": steps}}
+    r = results.make(name, status, reason, {**BASE, **choices}, config, [], metrics=metrics,
+                     env={"gpu_name": gpu, "world_size": 1},
                      timing={"started_at": None, "finished_at": finished, "wall_s": 1.0})
-    results.write_json(path / run_id / "result.json", r)
+    results.write_json(root / name / "result.json", r)
 
 
-def test_report_shows_failures_and_varied_groups_only(tmp_path, capsys):
-    _write(tmp_path, "a", "ok", "adamw", peak=100.0)
-    _write(tmp_path, "b", "oom", "sgd", reason="CUDA out of memory")
-    assert main([str(tmp_path)]) == 0
+@pytest.fixture
+def ladder(tmp_path):
+    """The published gpt2-large ladder's shape: each row adds a technique."""
+    _write(tmp_path, "a", peak=17022, latency=45.5, finished="2026-01-01T00:00:01")
+    _write(tmp_path, "b", peak=11736, latency=54.8, steps=4, accumulation="x4", finished="2026-01-01T00:00:02")
+    _write(tmp_path, "c", peak=9800, latency=60.1, steps=4, accumulation="x4", checkpoint="block",
+           finished="2026-01-01T00:00:03")
+    _write(tmp_path, "d", status="oom", reason="CUDA out of memory", steps=4, accumulation="x4", checkpoint="block",
+           optimizer="sgd", finished="2026-01-01T00:00:04")
+    return tmp_path
+
+
+def _setting(root, **kw):
+    df = load([root])
+    labels = tables.varied(df)
+    return tables.setting(df, labels, tables.baseline_index(df, labels, None), **kw)
+
+
+def test_setting_table_labels_deltas_and_oom(ladder):
+    t = _setting(ladder)
+    assert list(t.columns) == ["Setting", "GPU Memory Peak (MiB)", "Training Latency (s)", "Δ memory vs baseline",
+                               "Δ time vs baseline"]
+    rows = {r["Setting"]: r for _, r in t.iterrows()}
+    base = rows["Baseline (batch size = 128)"]
+    assert (base["GPU Memory Peak (MiB)"], base["Training Latency (s)"], base["Δ memory vs baseline"]) == \
+        ("17,022", "45.50", "+0.0%")
+    acc = rows["+ Gradient accumulation (32 × 4 = 128)"]
+    assert (acc["GPU Memory Peak (MiB)"], acc["Δ memory vs baseline"], acc["Δ time vs baseline"]) == \
+        ("11,736", "-31.1%", "+20.4%")
+    assert rows["+ Gradient accumulation (32 × 4 = 128) + Block recompute"]["Δ memory vs baseline"] == "-42.4%"
+    oom = rows["+ SGD + Gradient accumulation (32 × 4 = 128) + Block recompute"]
+    assert (oom["GPU Memory Peak (MiB)"], oom["Training Latency (s)"], oom["Δ memory vs baseline"]) == ("OOM", "", "")
+
+
+def test_ladder_adds_delta_vs_previous_row_in_run_order(ladder, capsys):
+    assert main([str(ladder), "--ladder", "--table", "setting"]) == 0
     out = capsys.readouterr().out
-    lines = [ln for ln in out.splitlines() if ln.startswith("|")]
-    assert lines[0].split("|")[1].strip() == "optimizer"  # the only varied group leads
-    assert "model" not in lines[0]  # not varied: not a column
-    adamw, sgd = lines[2], lines[3]
-    assert "100.0" in adamw and "12.5" in adamw and "1,234" in adamw and "3.2500" in adamw
-    assert "OOM" in sgd and "oom: CUDA out of memory" in sgd
-    csv = pd.read_csv(tmp_path / "report" / "runs.csv")
-    assert sorted(csv["run_id"]) == ["a", "b"] and "peak_allocated_mib" in csv
-    assert (tmp_path / "report" / "report.md").read_text().startswith("| optimizer")
+    lines = [ln for ln in out.splitlines() if ln.startswith("| ")][1:]
+    assert [ln.split("|")[1].strip() for ln in lines] == [  # each rung names what it adds
+        "Baseline (batch size = 128)", "+ Gradient accumulation (32 × 4 = 128)", "+ Block recompute", "+ SGD"]
+    assert lines[2].split("|")[6].strip() == "-16.5%"  # 9800 vs 11736 MiB
+
+
+def test_batch_table_stops_at_the_first_oom_and_shows_usage_mean_std(tmp_path):
+    for b, peak in ((1, 3000), (2, 4100), (4, 6500), (7, 14736), (8, 15900)):
+        _write(tmp_path, f"b{b}", peak=peak, latency=b * 0.75, batch=b, util=(86.2, 9.7))
+    for b in (9, 16):
+        _write(tmp_path, f"b{b}", status="oom", reason="CUDA out of memory", batch=b)
+    df = load([tmp_path])
+    (title, t), = tables.batch(df, tables.varied(df)).items()
+    assert list(t["Batch Size"]) == ["1", "2", "4", "7", "8", "9"]  # 16 is past the first OOM
+    assert t.iloc[3].tolist() == ["7", "14,736", "86.2 +/- 9.7", "10.00", "52.50"]
+    assert t.iloc[5].tolist() == ["9", "OOM", "", "", ""]
+
+
+def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
+    for opt, ckpt, peak, time_s, loss in (("adamw", "none", 1000, 10, 3.0), ("sgd", "none", 600, 9, 3.3),
+                                          ("adamw", "block", 700, 13, 3.0), ("sgd", "block", 300, 12, 3.3)):
+        _write(tmp_path, f"{opt}-{ckpt}", peak=peak, latency=time_s, loss=loss, optimizer=opt, checkpoint=ckpt)
+    _write(tmp_path, "err", status="error", reason="worker killed by SIGKILL", optimizer="adafactor")
+    df = load([tmp_path])
+    labels = tables.varied(df)
+    assert labels == ["optimizer", "checkpoint"]
+    df = df.sort_values(labels).reset_index(drop=True)
+    full = tables.full(df, labels, tables.baseline_index(df, labels, None))  # adamw / none
+    err = full[full["optimizer"] == "adafactor"].iloc[0]
+    assert err["Peak allocated (MiB)"] == "error" and err["Status"] == "error: worker killed by SIGKILL"
+    sgd = full[(full["optimizer"] == "sgd") & (full["checkpoint"] == "none")].iloc[0]
+    assert (sgd["Peak allocated (MiB)"], sgd["Final loss"], sgd["Δ loss vs baseline"]) == ("600.0", "3.3000", "+10.0%")
+    m = tables.marginal(df, labels).set_index(["Group", "Option"])
+    # sgd vs adamw: memory -40% (none) and -57.1% (block), time -10% and -7.7%: medians of the 2 pairs
+    assert m.loc[("optimizer", "sgd")].tolist() == ["-48.6%", "-8.8%", "+10.0%", "2", "0"]
+    assert m.loc[("checkpoint", "block")]["Δ memory (median)"] == "-40.0%"
+    assert m.loc[("optimizer", "adafactor")]["Not ok"] == "1"
+
+
+def test_gpu_name_becomes_a_column_when_it_varies(tmp_path):
+    _write(tmp_path, "h100", peak=100, latency=1.0)
+    _write(tmp_path, "a100", peak=100, latency=2.0, gpu="NVIDIA A100-SXM4-40GB")
+    assert "env_gpu_name" in tables.varied(load([tmp_path]))
 
 
 def test_bad_files_are_named_and_skipped(tmp_path, capsys):
-    _write(tmp_path, "a", "ok", "adamw", peak=100.0)
+    _write(tmp_path, "a", peak=100.0, latency=1.0)
     (tmp_path / "trunc").mkdir()
     (tmp_path / "trunc" / "result.json").write_text('{"schema": "ablate.res')
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "result.json").write_text('{"hello": 1}')
-    df = load([tmp_path])
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "result.json").write_text('{"schema": "ablate.result/0", "run_id": "x"}')
+    assert main([str(tmp_path)]) == 0
     err = capsys.readouterr().err
-    assert list(df["run_id"]) == ["a"]
-    assert "trunc/result.json" in err and "foreign/result.json" in err
+    for name in ("trunc", "foreign", "old"):
+        assert f"{name}/result.json" in err
+    assert list(pd.read_csv(tmp_path / "report" / "runs.csv")["run_id"]) == ["a"]
 
 
 def test_duplicate_run_ids_keep_the_newest(tmp_path):
-    _write(tmp_path / "old", "a", "ok", "adamw", peak=100.0, finished="2026-01-01T00:00:00")
-    _write(tmp_path / "new", "a", "ok", "adamw", peak=200.0, finished="2026-02-01T00:00:00")
+    _write(tmp_path / "old", "a", peak=100.0, latency=1.0, finished="2026-01-01T00:00:00")
+    _write(tmp_path / "new", "a", peak=200.0, latency=1.0, finished="2026-02-01T00:00:00")
     df = load([tmp_path])
     assert len(df) == 1 and df["peak_allocated_mib"].iloc[0] == 200.0
-    assert "200.0" in render(df)
+
+
+def test_command_writes_report_md_csv_and_plots(ladder, capsys):
+    assert main([str(ladder), "--out", str(ladder / "out")]) == 0
+    md = (ladder / "out" / "report.md").read_text()
+    assert "## Setting" in md and "## All runs" in md and "![pareto](pareto.png)" in md
+    assert (ladder / "out" / "pareto.png").exists() and (ladder / "out" / "runs.csv").exists()
+    assert main([str(ladder), "--baseline", "optimizer=lion"]) == 2
 
 
 def test_empty_directory_exits_1_with_a_message(tmp_path):

@@ -1,0 +1,264 @@
+"""Figures for the report, one function per plot.
+
+Each takes the loaded runs (`analysis.load.load`), the columns whose values name a run (`labels`, e.g.
+`report.varied(df)`) and an output directory; it writes one PNG and returns its Path, or None when the
+data has nothing to show. Memory is the torch allocator's peak of allocated bytes, MiB = 2^20 bytes.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on the analysis machines; set before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+DPI = 150
+MEMORY = "peak_allocated_mib"
+# (breakdown component, legend text), stacked in this order: what the model owns, then what training adds.
+COMPONENTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
+              ("activations", "activations"), ("other", "other"))
+LOSS_VARIANTS = ("precision", "optimizer")  # runs that differ only in these should train alike
+
+
+def _num(df: pd.DataFrame, col: str) -> pd.Series:
+    """A column as floats; missing columns and non-numbers become NaN."""
+    if col not in df:
+        return pd.Series(np.nan, index=df.index, dtype=float)
+    return pd.to_numeric(df[col], errors="coerce").astype(float)
+
+
+def _status(df: pd.DataFrame, status: str) -> pd.Series:
+    return df["status"] == status if "status" in df else pd.Series(False, index=df.index)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return "?" if math.isnan(value) else f"{value:g}"
+    return "?" if value is None else str(value)
+
+
+def _label(row: pd.Series, labels: list[str]) -> str:
+    """Short run name: the label columns' values, e.g. "sgd / 8"."""
+    cols = [c for c in labels if c in row.index]
+    return " / ".join(_fmt(row[c]) for c in cols) if cols else _fmt(row.get("run_id"))
+
+
+def _device(df: pd.DataFrame) -> str:
+    names = df["env_gpu_name"].dropna().unique() if "env_gpu_name" in df else []
+    return f" on {names[0]}" if len(names) == 1 else ""
+
+
+def _save(fig, out: str | Path, name: str) -> Path:
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)  # keep memory flat across many plots
+    return path
+
+
+def pareto_front(points) -> list[int]:
+    """Indices of the (x, y) points no other point beats in both (lower is better), sorted by x."""
+    pts = [(float(x), float(y)) for x, y in points]
+    front = [i for i, (x, y) in enumerate(pts)
+             if not any(a <= x and b <= y and (a < x or b < y) for a, b in pts)]
+    return sorted(front, key=lambda i: pts[i])
+
+
+def _capacity(df: pd.DataFrame, peaks: pd.Series) -> float:
+    """Where an OOM sits on the memory axis: the device's memory (MiB) when known, else just past the data."""
+    total = _num(df, "env_gpu_total_mib").max()
+    return float(total) if np.isfinite(total) else 1.05 * float(peaks.max())
+
+
+def _pareto_oom(ax, df: pd.DataFrame, ok: pd.DataFrame, labels: list[str]) -> None:
+    oom = df[_status(df, "oom")]
+    if oom.empty:
+        return
+    cap, y = _capacity(df, ok[MEMORY]), float(ok["iter_time_ms"].median())
+    ax.axvline(cap, color="red", ls="--", lw=1, label=f"OOM (capacity {cap:,.0f} MiB)")
+    ax.scatter([cap] * len(oom), [y] * len(oom), marker="x", color="red", s=60, zorder=4)
+    names = "\n".join(_label(r, labels) for _, r in oom.iterrows())
+    ax.annotate(f"OOM:\n{names}", (cap, y), xytext=(-6, 0), textcoords="offset points",
+                ha="right", va="center", fontsize=7, color="red")
+    if cap > 4 * ok[MEMORY].max() and ok[MEMORY].min() > 0:
+        # a whole GPU next to small runs would squash them against the y-axis
+        ax.set_xscale("log")
+        ax.set_xlim(ok[MEMORY].min() / 1.5, cap * 1.5)
+    else:
+        ax.set_xlim(0, cap * 1.05)
+
+
+def pareto(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
+    """Peak memory vs iteration time per ok run, the Pareto front as a step line, OOMs at capacity."""
+    if df.empty:
+        return None
+    ok = df[_status(df, "ok")]
+    ok = ok.assign(**{c: _num(ok, c) for c in (MEMORY, "iter_time_ms", "loss_final")})
+    ok = ok[np.isfinite(ok[MEMORY]) & np.isfinite(ok["iter_time_ms"])]
+    if ok.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    x, y, loss = ok[MEMORY].to_numpy(), ok["iter_time_ms"].to_numpy(), ok["loss_final"].to_numpy()
+    front = pareto_front(zip(x, y))
+    # the front as a staircase (nothing on it beats another in both), its runs ringed: one run still shows
+    ax.step(x[front], y[front], where="post", color="0.2", lw=1.2, zorder=1)
+    ax.scatter(x[front], y[front], s=160, facecolors="none", edgecolors="0.2", linewidths=1.2, zorder=2,
+               label="Pareto front")
+    has_loss = np.isfinite(loss)
+    if has_loss.any():
+        sc = ax.scatter(x[has_loss], y[has_loss], c=loss[has_loss], cmap="viridis", s=50,
+                        edgecolors="k", linewidths=0.5, zorder=3)
+        fig.colorbar(sc, ax=ax, label="final loss")
+    if (~has_loss).any():
+        ax.scatter(x[~has_loss], y[~has_loss], color="0.7", s=50, edgecolors="k", linewidths=0.5,
+                   zorder=3, label="no final loss")
+    for (_, row), xi, yi in zip(ok.iterrows(), x, y):
+        ax.annotate(_label(row, labels), (xi, yi), xytext=(4, 4), textcoords="offset points", fontsize=7)
+    _pareto_oom(ax, df, ok, labels)
+    ax.set_xlabel("peak allocated memory (MiB" + (", log scale)" if ax.get_xscale() == "log" else ")"))
+    ax.set_ylabel("iteration time (ms, median)")
+    ax.set_title(f"Memory vs. speed{_device(df)} (lower-left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _save(fig, out, "pareto.png")
+
+
+def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
+    """Stacked bars of where each ok run's peak memory went (MiB), total at the end of each bar."""
+    cols = [f"breakdown_{k}_mib" for k, _ in COMPONENTS]
+    if df.empty:
+        return None
+    ok = df[_status(df, "ok")]
+    parts = pd.DataFrame({c: _num(ok, c) for c in cols}, index=ok.index)
+    keep = parts.notna().any(axis=1)  # a run with no breakdown at all is skipped, a missing part is 0
+    ok, parts = ok[keep], parts[keep].fillna(0.0)
+    if ok.empty:
+        return None
+    names = [_label(r, labels) for _, r in ok.iterrows()]
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.45 * len(ok) + 1.5)))
+    rows, left = np.arange(len(ok)), np.zeros(len(ok))
+    for (_, text), col, colour in zip(COMPONENTS, cols, plt.cm.tab10.colors):
+        ax.barh(rows, parts[col], left=left, color=colour, label=text, height=0.7)
+        left += parts[col].to_numpy()
+    for i, total in enumerate(left):
+        ax.annotate(f"{total:,.0f}", (total, i), xytext=(4, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+    ax.set_yticks(rows, names, fontsize=8)
+    ax.invert_yaxis()  # first run on top, like the table
+    ax.set_xlim(0, left.max() * 1.15 if left.max() > 0 else 1)
+    ax.set_xlabel("memory at peak (MiB)")
+    ax.set_title(f"Memory breakdown per run{_device(df)}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a bar
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, out, "breakdown.png")
+
+
+def _series(df: pd.DataFrame, others: list[str]):
+    """(legend text, rows) per combination of the other label columns."""
+    if not others:
+        yield "all runs", df
+        return
+    keys = df[others].astype(str)
+    for key, part in keys.groupby(others, sort=True):  # keys are tuples when grouping by a list
+        yield " / ".join(key), df.loc[part.index]
+
+
+def _mark_oom(ax, sizes, y: float, text: bool) -> None:
+    """Red x per OOM batch size at height y in axes coordinates (0 = x-axis, 1 = top)."""
+    tr = ax.get_xaxis_transform()  # x in data, y in axes fraction
+    for b in sizes:
+        ax.plot([b], [y], marker="x", color="red", ms=9, mew=2, transform=tr, clip_on=False, zorder=5)
+        if text:
+            ax.text(b, y - 0.05, "OOM", color="red", ha="center", va="top", fontsize=8, transform=tr)
+
+
+def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
+    """Peak memory and TFLOP/s vs batch size, one line per combination of the other labels."""
+    if df.empty or "batch_size" not in df:
+        return None
+    df = df.assign(**{c: _num(df, c) for c in ("batch_size", MEMORY, "tflops")})
+    df = df[np.isfinite(df["batch_size"])]
+    ok = df[_status(df, "ok") & (np.isfinite(df[MEMORY]) | np.isfinite(df["tflops"]))]
+    if df["batch_size"].nunique() < 2 or ok.empty:
+        return None
+    others = [c for c in labels if c in df and c != "batch_size"]
+    fig, (mem, tfl) = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    for (name, rows), colour in zip(_series(ok, others), plt.cm.tab10.colors * 10):
+        rows = rows.sort_values("batch_size")
+        for ax, col in ((mem, MEMORY), (tfl, "tflops")):
+            r = rows[np.isfinite(rows[col])]
+            ax.plot(r["batch_size"], r[col], "o-", color=colour, label=name)
+    oom = sorted(df.loc[_status(df, "oom"), "batch_size"].unique())
+    mem.set_ylim(0, mem.get_ylim()[1] * 1.15)  # headroom for the OOM marks at the top
+    tfl.set_ylim(bottom=0)
+    if not np.isfinite(ok["tflops"]).any():
+        tfl.text(0.5, 0.5, "no TFLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
+    _mark_oom(mem, oom, 1.0, text=True)
+    _mark_oom(tfl, oom, 0.0, text=False)
+    sizes = sorted(df["batch_size"].unique())
+    if sizes[0] > 0:
+        mem.set_xscale("log", base=2)  # batch sizes are usually doublings
+    mem.set_xticks(sizes, [_fmt(s) for s in sizes])
+    mem.minorticks_off()
+    mem.set(xlabel="batch size (samples per step)", ylabel="peak allocated memory (MiB)",
+            title="Peak memory" + (" (x = OOM)" if oom else ""))
+    tfl.set(xlabel="batch size (samples per step)", ylabel="TFLOP/s (model FLOPs per device)",
+            title="Throughput" + (" (x on axis = OOM)" if oom else ""))
+    for ax in (mem, tfl):
+        ax.grid(alpha=0.3)
+    tfl.legend(title=" / ".join(others) or None, fontsize=8)
+    fig.suptitle(f"Batch-size scan{_device(df)}")
+    return _save(fig, out, "batch_scan.png")
+
+
+def _curve(value) -> list[float] | None:
+    """A per-step loss list as floats, or None when the value is not a non-empty list."""
+    if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
+        return None
+    return [float(v) if v is not None else np.nan for v in value]
+
+
+def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
+    """The largest set (>= 2) of ok runs with curves that differ only in precision/optimizer; may be empty."""
+    if df.empty or "losses" not in df:
+        return df.iloc[0:0]
+    runs = df[_status(df, "ok") & df["losses"].map(lambda v: _curve(v) is not None)]
+    keys = [c for c in labels if c in runs and c not in LOSS_VARIANTS]
+    if not keys:
+        return runs if len(runs) >= 2 else runs.iloc[0:0]
+    # ties go to the group met first in the data (the sweep's order)
+    groups = [part.index for _, part in runs[keys].astype(str).groupby(keys, sort=False)]
+    best = max(groups, key=len, default=[])
+    return runs.loc[best] if len(best) >= 2 else runs.iloc[0:0]
+
+
+def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
+    """Per-step training loss of runs that differ only in precision and/or optimizer."""
+    group = loss_group(df, labels)
+    if len(group) < 2:
+        return None
+    named = [c for c in LOSS_VARIANTS if c in group and group[c].astype(str).nunique() > 1]
+    fixed = [c for c in labels if c in group and c not in LOSS_VARIANTS]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for _, row in group.iterrows():
+        y = _curve(row["losses"])
+        ax.plot(np.arange(1, len(y) + 1), y, lw=1.2, label=_label(row, named))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (cross-entropy, nats)")
+    where = ", ".join(f"{c}={_fmt(group[c].iloc[0])}" for c in fixed)
+    ax.set_title(f"Training loss{_device(df)}" + (f" ({where})" if where else ""))
+    ax.legend(title=" / ".join(named) or None, fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, out, "loss_curves.png")
+
+
+def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path]:
+    """Every plot that has something to show; returns the PNGs written."""
+    paths = [plot(df, labels, out) for plot in (pareto, breakdown, batch_scan, loss_curves)]
+    return [p for p in paths if p is not None]

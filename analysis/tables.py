@@ -1,0 +1,204 @@
+"""The report's tables, as DataFrames of display strings (numbers already rounded, failures as
+"OOM" / "invalid" / ... cells, never dropped rows). analysis/report.py prints and writes them."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from ablate.schema import GROUPS
+from analysis.load import RUN_KEYS
+
+# The do-nothing option of each group: a run's label lists only what differs from these.
+BASELINE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
+            "offload": "none", "parallel": "single"}
+NAMES = {
+    ("checkpoint", "block"): "Block recompute", ("checkpoint", "every2"): "Recompute every 2nd block",
+    ("checkpoint", "attention"): "Attention recompute", ("checkpoint", "mlp"): "MLP recompute",
+    ("checkpoint", "ops"): "Selective op recompute", ("checkpoint", "layers"): "Layer-type recompute",
+    ("optimizer", "adamw"): "AdamW", ("optimizer", "adamw_forloop"): "AdamW for-loop",
+    ("optimizer", "adamw_foreach"): "AdamW foreach", ("optimizer", "adamw_fused"): "AdamW fused",
+    ("optimizer", "sgd"): "SGD", ("optimizer", "adafactor"): "Adafactor", ("optimizer", "adamw8bit"): "8-bit AdamW",
+    ("precision", "fp32"): "fp32", ("precision", "tf32"): "TF32", ("precision", "fp16"): "fp16 AMP",
+    ("precision", "bf16"): "bf16 AMP", ("precision", "bf16_pure"): "Pure bf16",
+    ("offload", "activations"): "Activation offload", ("offload", "optimizer"): "Optimizer offload",
+    ("offload", "params"): "Parameter offload",
+}
+MEMORY = "peak_allocated_mib"
+FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
+            "training (on CPU, the peak of live tensor bytes traced by torch's MemTracker); MiB = 2^20 bytes. "
+            "Reserved adds cached free blocks; NVML is what the driver sees (CUDA context included). "
+            "Iteration time: median of the measured steps. Training latency: all measured steps.")
+
+
+def varied(df: pd.DataFrame) -> list[str]:
+    """Group, run-key and GPU columns whose value differs between rows (at least `model`)."""
+    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and df[c].astype(str).nunique() > 1]
+    return cols or ["model"]
+
+
+def num(value, fmt: str, unit: str = "") -> str:
+    """A rounded number, or "" when it was not measured."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:{fmt}}{unit}"
+
+
+def mib(value) -> str:
+    """Memory as published tables print it: whole MiB, one decimal below 100 MiB (CPU-sized runs)."""
+    return num(value, ",.0f" if value is not None and not pd.isna(value) and value >= 100 else ".1f")
+
+
+def delta(value, base) -> str:
+    """Signed change in percent: "+12.3%"."""
+    if value is None or base is None or pd.isna(value) or pd.isna(base) or not base:
+        return ""
+    return f"{100 * (value - base) / base:+.1f}%"
+
+
+def failed(row: pd.Series) -> str:
+    """The cell a failed run shows where a number would be."""
+    return "OOM" if row["status"] == "oom" else row["status"]
+
+
+def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> int:
+    """The row every delta is taken against: `--baseline key=value,...`, else the run whose varied
+    groups are all at their do-nothing option (smallest batch first), else the first row."""
+    want = baseline or {g: BASELINE[g] for g in labels if g in BASELINE}
+    match = df
+    for key, value in want.items():
+        match = match[match[key].astype(str) == str(value)]
+    if baseline and match.empty:
+        raise ValueError(f"--baseline {baseline}: no run matches (varied: {', '.join(labels)})")
+    return (match if not match.empty else df).index[0]
+
+
+def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
+    """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'."""
+    if row.name == base.name:
+        return f"Baseline (batch size = {row['batch_size']})"
+    parts = []
+    for col in labels:
+        if str(row[col]) == str(base[col]):
+            continue
+        if col == "accumulation":
+            steps = int(row.get("accumulation_steps") or 1)
+            parts.append(f"Gradient accumulation ({row['batch_size'] // steps} × {steps} = {row['batch_size']})")
+        elif col == "parallel":
+            parts.append(f"{str(row[col]).upper()} ({int(row.get('env_world_size') or 0)} processes)")
+        elif col in GROUPS:
+            parts.append(NAMES.get((col, row[col]), f"{col}={row[col]}"))
+        else:
+            parts.append(f"{col.replace('_', ' ')} = {row[col]}")
+    return "+ " + " + ".join(parts) if parts else "Baseline (repeat)"
+
+
+def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = False) -> pd.DataFrame:
+    """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row)."""
+    base = df.loc[base_i]
+    rows, prev, prev_any = [], None, None
+    for _, row in df.iterrows():
+        ok = row["status"] == "ok"
+        # A ladder's row names what it adds to the row above; otherwise what differs from the baseline.
+        ref = prev_any if ladder and prev_any is not None else base
+        label = setting_label(row, ref, labels) if row.name != base.name else setting_label(row, base, labels)
+        out = {"Setting": label,
+               "GPU Memory Peak (MiB)": mib(row[MEMORY]) if ok else failed(row),
+               "Training Latency (s)": num(row["train_latency_s"], ".2f") if ok else "",
+               "Δ memory vs baseline": delta(row[MEMORY], base[MEMORY]) if ok else "",
+               "Δ time vs baseline": delta(row["train_latency_s"], base["train_latency_s"]) if ok else ""}
+        if ladder:
+            out["Δ memory vs previous"] = delta(row[MEMORY], prev[MEMORY]) if ok and prev is not None else ""
+            out["Δ time vs previous"] = (delta(row["train_latency_s"], prev["train_latency_s"])
+                                         if ok and prev is not None else "")
+        rows.append(out)
+        prev = row if ok else prev
+        prev_any = row
+    return pd.DataFrame(rows)
+
+
+def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
+    """Batch Size | Memory (MiB) | GPU Usage % | TFLOP/s | Iteration Time (ms), one table per
+    combination of the other varied columns, rows up to and including the first OOM."""
+    others = [c for c in labels if c != "batch_size"]
+    tables = {}
+    for key, part in (df.groupby(others, sort=True, dropna=False) if others else [((), df)]):
+        key = key if isinstance(key, tuple) else (key,)
+        title = ", ".join(f"{c}={v}" for c, v in zip(others, key)) or "all runs"
+        rows = []
+        for _, row in part.sort_values("batch_size").iterrows():
+            ok = row["status"] == "ok"
+            util = (f"{row['gpu_util_pct_mean']:.1f} +/- {row['gpu_util_pct_std']:.1f}"
+                    if ok and pd.notna(row.get("gpu_util_pct_mean")) and pd.notna(row.get("gpu_util_pct_std")) else "")
+            rows.append({"Batch Size": str(row["batch_size"]),
+                         "Memory (MiB)": mib(row[MEMORY]) if ok else failed(row),
+                         "GPU Usage %": util, "TFLOP/s": num(row["tflops"], ".2f") if ok else "",
+                         "Iteration Time (ms)": num(row["iter_time_ms"], ".2f") if ok else ""})
+            if row["status"] == "oom":
+                break  # larger batches are OOM too: the first one says it
+        tables[title] = pd.DataFrame(rows)
+    return tables
+
+
+# (column, heading, format) of the full table; memory in MiB, times as their names say.
+FULL = (
+    (MEMORY, "Peak allocated (MiB)", ",.1f"), ("peak_reserved_mib", "Peak reserved (MiB)", ",.1f"),
+    ("nvml_peak_mib", "NVML peak (MiB)", ",.1f"), ("host_peak_rss_mib", "Host RSS (MiB)", ",.0f"),
+    ("iter_time_ms", "Iteration p50 (ms)", ",.1f"), ("tokens_per_s", "Tokens/s", ",.0f"),
+    ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%"), ("loss_final", "Final loss", ".4f"),
+    ("eval_loss", "Eval loss", ".4f"),
+)
+
+
+def full(df: pd.DataFrame, labels: list[str], base_i: int) -> pd.DataFrame:
+    """Every varied column and every key metric; failures keep their row with status and reason."""
+    base = df.loc[base_i]
+    out = df[labels].astype(str).copy()
+    ok = df["status"] == "ok"
+    for column, heading, fmt in FULL:
+        values = df[column] if column in df else pd.Series(float("nan"), index=df.index)
+        out[heading] = [num(v, fmt) if good else "" for v, good in zip(values, ok)]
+        if column == MEMORY:  # the first metric column says how a failed run ended
+            out.loc[~ok, heading] = [failed(r) for _, r in df[~ok].iterrows()]
+    out["Δ loss vs baseline"] = [delta(v, base["loss_final"]) if good else "" for v, good in zip(df["loss_final"], ok)]
+    if df["predicted_peak_mib"].notna().any():
+        out["Predicted peak (MiB)"] = [num(v, ",.1f") for v in df["predicted_peak_mib"]]
+        out["Prediction error"] = [delta(p, m) if good else "" for p, m, good
+                                   in zip(df["predicted_peak_mib"], df[MEMORY], ok)]
+    out["Status"] = [s if s == "ok" else f"{s}: {r}" for s, r in zip(df["status"], df["reason"])]
+    return out
+
+
+def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
+    """For each varied group and option: the median change in memory, time and loss against the
+    group's do-nothing option, over pairs of ok runs that are equal in every other varied column."""
+    rows = []
+    for group in [g for g in labels if g in BASELINE]:
+        others = [c for c in labels if c != group]
+        ok = df[df["status"] == "ok"]
+        base = ok[ok[group] == BASELINE[group]].set_index(others) if others else ok[ok[group] == BASELINE[group]]
+        for option in sorted(set(df[group]) - {BASELINE[group]}):
+            runs = ok[ok[group] == option]
+            pairs = []
+            for _, run in runs.iterrows():
+                key = tuple(run[c] for c in others) if len(others) > 1 else (run[others[0]] if others else None)
+                try:
+                    ref = base.loc[key] if others else base.iloc[0]
+                except (KeyError, IndexError):
+                    continue
+                ref = ref.iloc[0] if isinstance(ref, pd.DataFrame) else ref
+                pairs.append([_pct(run[m], ref[m]) for m in (MEMORY, "iter_time_ms", "loss_final")])
+            failed_runs = int((df[group] == option).sum() - len(runs))
+            med = pd.DataFrame(pairs).median() if pairs else pd.Series([float("nan")] * 3)
+            rows.append({"Group": group, "Option": option, "Δ memory (median)": _signed(med.iloc[0]),
+                         "Δ iteration time (median)": _signed(med.iloc[1]), "Δ final loss (median)": _signed(med.iloc[2]),
+                         "Pairs": str(len(pairs)), "Not ok": str(failed_runs)})
+    return pd.DataFrame(rows)
+
+
+def _pct(value, base) -> float:
+    return 100 * (value - base) / base if pd.notna(value) and pd.notna(base) and base else float("nan")
+
+
+def _signed(value: float) -> str:
+    return "" if pd.isna(value) else f"{value:+.1f}%"

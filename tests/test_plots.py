@@ -1,0 +1,119 @@
+"""analysis.plots: each figure is a real, non-blank PNG, or None when the runs have nothing to show."""
+from __future__ import annotations
+
+import math
+
+import matplotlib.image as mpimg
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NAN = float("nan")
+
+
+def _run(optimizer: str, batch: int, status: str = "ok", precision: str = "fp32") -> dict:
+    """One load()-shaped row: memory grows with batch size, adamw holds 2 states per parameter."""
+    row = {"run_id": f"{optimizer}-{precision}-{batch}", "status": status, "reason": None, "path": "x",
+           "model": "gpt-nano", "optimizer": optimizer, "precision": precision, "batch_size": batch,
+           "seq_len": 64, "env_gpu_name": None, "env_gpu_total_mib": None}
+    if status != "ok":
+        return row | {"reason": "CUDA out of memory", "peak_allocated_mib": NAN, "iter_time_ms": NAN,
+                      "tflops": NAN, "loss_final": NAN, "losses": None}
+    params, states = 50.0, (100.0 if optimizer == "adamw" else 0.0)
+    acts = 12.0 * batch
+    steps = np.arange(20)
+    decay = 0.10 if optimizer == "adamw" else 0.05
+    losses = list(5.0 * np.exp(-decay * steps) + 1.0 + 0.01 * batch)
+    return row | {
+        "peak_allocated_mib": params * 2 + states + acts + 8.0, "peak_reserved_mib": 400.0,
+        "iter_time_ms": (18.0 + 1.2 * batch) if optimizer == "adamw" else (20.0 + 1.5 * batch),
+        "tflops": (0.6 if optimizer == "adamw" else 0.5) * math.log2(batch),
+        "loss_final": losses[-1], "losses": losses,
+        "breakdown_params_mib": params, "breakdown_grads_mib": params, "breakdown_optimizer_mib": states,
+        "breakdown_activations_mib": acts, "breakdown_other_mib": 8.0}
+
+
+@pytest.fixture
+def runs() -> pd.DataFrame:
+    """optimizer x batch size; adamw at 32 ran out of memory."""
+    return pd.DataFrame([_run(o, b, "oom" if (o, b) == ("adamw", 32) else "ok")
+                         for o in ("adamw", "sgd") for b in (8, 16, 32)])
+
+
+LABELS = ["optimizer", "batch_size"]
+
+
+def _assert_real_png(path, name: str) -> None:
+    assert path is not None and path.name == name and path.exists()
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert path.stat().st_size > 10_000
+    img = mpimg.imread(path)[..., :3]  # (H, W, RGB) floats in [0, 1]
+    assert img.shape[0] > 300 and img.shape[1] > 300
+    assert img.std() > 0.05  # not a blank canvas
+    colours = np.unique((img.reshape(-1, 3) * 255).round().astype(np.uint8), axis=0)
+    assert len(colours) > 50  # markers, lines, colormap and text, not a flat fill
+
+
+@pytest.mark.parametrize("plot, name", [(plots.pareto, "pareto.png"), (plots.breakdown, "breakdown.png"),
+                                        (plots.batch_scan, "batch_scan.png"),
+                                        (plots.loss_curves, "loss_curves.png")])
+def test_each_plot_writes_a_real_png(runs, tmp_path, plot, name):
+    _assert_real_png(plot(runs, LABELS, tmp_path / "figs"), name)
+
+
+def test_all_plots_returns_the_four_paths(runs, tmp_path):
+    paths = plots.all_plots(runs, LABELS, tmp_path)
+    assert sorted(p.name for p in paths) == ["batch_scan.png", "breakdown.png", "loss_curves.png",
+                                             "pareto.png"]
+    assert all(p.parent == tmp_path for p in paths)
+
+
+def test_pareto_front_keeps_only_undominated_points_sorted_by_memory():
+    # (memory MiB, time ms): 1 is beaten by 0 in both, 3 by 2 in time at equal memory, 5 by 4.
+    points = [(100, 50), (120, 60), (200, 30), (200, 35), (400, 10), (500, 10)]
+    assert plots.pareto_front(points) == [0, 2, 4]
+    assert plots.pareto_front([(1, 1)]) == [0]
+    assert plots.pareto_front([]) == []
+    assert plots.pareto_front([(5, 5), (5, 5)]) == [0, 1]  # ties: neither beats the other
+
+
+def test_loss_group_picks_the_largest_group_of_at_least_two(runs):
+    extra = pd.DataFrame([_run("adamw", 16, precision="bf16")])
+    df = pd.concat([runs, extra], ignore_index=True)
+    group = plots.loss_group(df, ["optimizer", "precision", "batch_size"])
+    # batch 8: 2 curves, batch 16: 3 (adamw fp32/bf16, sgd), batch 32: 1 (adamw OOM has none)
+    assert sorted(group["run_id"]) == ["adamw-bf16-16", "adamw-fp32-16", "sgd-fp32-16"]
+
+
+def test_loss_group_uses_every_run_when_only_precision_or_optimizer_vary(runs):
+    df = runs[runs["batch_size"] == 8]
+    assert sorted(plots.loss_group(df, ["optimizer"])["run_id"]) == ["adamw-fp32-8", "sgd-fp32-8"]
+
+
+def test_nothing_to_show_returns_none_and_writes_nothing(runs, tmp_path):
+    all_oom = pd.DataFrame([_run(o, b, "oom") for o in ("adamw", "sgd") for b in (8, 16)])
+    for plot in (plots.pareto, plots.breakdown, plots.batch_scan, plots.loss_curves):
+        assert plot(all_oom, LABELS, tmp_path) is None
+        assert plot(pd.DataFrame(), LABELS, tmp_path) is None
+    one_batch = runs[runs["batch_size"] == 8]
+    assert plots.batch_scan(one_batch, ["optimizer"], tmp_path) is None
+    single_curve = runs.assign(losses=[None, None, None, [3.0, 2.5], None, None])
+    assert plots.loss_curves(single_curve, LABELS, tmp_path) is None
+    no_breakdown = runs.drop(columns=[c for c in runs if c.startswith("breakdown_")])
+    assert plots.breakdown(no_breakdown, LABELS, tmp_path) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_odd_data_is_drawn_without_raising(runs, tmp_path):
+    one = runs.iloc[[0]]
+    assert plots.pareto(one, ["optimizer"], tmp_path / "one").exists()
+    gappy = runs.assign(loss_final=NAN, tflops=NAN, env_gpu_total_mib=81559.0)
+    gappy.loc[1, "iter_time_ms"] = None
+    assert plots.pareto(gappy, LABELS, tmp_path / "gappy").exists()
+    assert plots.batch_scan(gappy, LABELS, tmp_path / "gappy").exists()
+    bare = runs[["run_id", "status", "batch_size", "peak_allocated_mib"]]
+    written = plots.all_plots(bare, ["missing_column"], tmp_path / "bare")
+    assert [p.name for p in written] == ["batch_scan.png"]  # no times, breakdown or curves: the rest skip
