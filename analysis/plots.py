@@ -120,6 +120,7 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
     for (_, row), xi, yi in zip(ok.iterrows(), x, y):
         ax.annotate(_label(row, labels), (xi, yi), xytext=(4, 4), textcoords="offset points", fontsize=7)
     _pareto_oom(ax, df, ok, labels)
+    ax.margins(x=0.12, y=0.08)  # room for the run labels written to the right of each marker
     ax.set_xlabel("peak allocated memory (MiB" + (", log scale)" if ax.get_xscale() == "log" else ")"))
     ax.set_ylabel("iteration time (ms, median)")
     ax.set_title(f"Memory vs. speed{_device(df)} (lower-left is better)")

@@ -118,3 +118,25 @@ def test_page_renders_in_headless_chromium(chromium, tmp_path):
                  "invalid: needs CUDA", "&lt;script&gt;alert(1)&lt;/script&gt;", "peak_memory"):
         assert text in dom.stdout, text
     assert dom.stdout.count("<table>") == 2 and "data:image/png;base64," in dom.stdout
+
+
+def test_report_command_html_opens_in_chromium(chromium, tmp_path, capsys):
+    """The whole path: result files -> `python -m analysis.report --format html` -> a browser."""
+    from ablate import results
+    from analysis.report import main
+
+    choices = {"model": "gpt-nano", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
+               "offload": "none", "parallel": "single", "data": "synthetic"}
+    for opt, peak, status in (("adamw", 120.0, "ok"), ("sgd", 80.0, "ok"), ("adafactor", None, "oom")):
+        metrics = {"peak_allocated_mib": peak, "train_latency_s": 2.0, "iter_time_ms": 20.0, "loss_final": 3.0,
+                   "losses": [4.0, 3.5, 3.0]} if peak else {}
+        r = results.make(opt, status, None if peak else "CUDA out of memory", {**choices, "optimizer": opt},
+                         {"batch_size": 8}, [], metrics=metrics)
+        results.write_json(tmp_path / "runs" / opt / "result.json", r)
+    assert main([str(tmp_path / "runs"), "--format", "html", "--out", str(tmp_path / "report")]) == 0
+    page_path = tmp_path / "report" / "report.html"
+    assert capsys.readouterr().out.startswith("<!DOCTYPE html>")
+    dom = _browse(chromium, tmp_path, "--dump-dom", page_path.as_uri())
+    assert dom.returncode == 0
+    for text in ("Baseline (batch size = 8)", "+ SGD", "OOM", "oom: CUDA out of memory", "data:image/png;base64,"):
+        assert text in dom.stdout, text
