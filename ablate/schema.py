@@ -6,7 +6,7 @@ class's __init__ arguments (ablate/techniques/); instantiating them checks those
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 

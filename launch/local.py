@@ -83,6 +83,12 @@ def _signal_name(code: int) -> str:
     return signal.Signals(-code).name if code < 0 else f"exit code {code}"
 
 
+def _killed_by(code: int) -> str:
+    name = _signal_name(code)
+    hint = " (the host's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
+    return f"killed by {name}{hint}"
+
+
 def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[dict], log: Path,
              world_size: int = 1) -> Outcome:
     """Status and reason from how the worker (or torchrun's group) ended and what it reported."""
@@ -104,18 +110,14 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
     silent = [f for f in died if f["exitcode"] < 0 and f["rank"] not in {e["rank"] for e in failures}]
     silent.sort(key=lambda f: f["exitcode"] == -signal.SIGTERM)  # torchrun SIGTERMs the survivors
     if silent:
-        name = _signal_name(silent[0]["exitcode"])
-        hint = " (the host's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
-        return Outcome("error", f"rank {silent[0]['rank']} killed by {name}{hint}")
+        return Outcome("error", f"rank {silent[0]['rank']} {_killed_by(silent[0]['exitcode'])}")
     if failures:
         return Outcome(failures[0]["status"], named(failures[0]))
     if died:
         return Outcome("error", f"rank {died[0]['rank']} ended with {_signal_name(died[0]['exitcode'])} "
                                 f"without a result: {_last_log_line(log)}")
     if returncode < 0:
-        name = _signal_name(returncode)
-        hint = " (the host's out-of-memory killer sends SIGKILL)" if name == "SIGKILL" else ""
-        return Outcome("error", f"worker killed by {name}{hint} without a result")
+        return Outcome("error", f"worker {_killed_by(returncode)} without a result")
     return Outcome("error", f"worker exited with code {returncode} without a result: {_last_log_line(log)}")
 
 
