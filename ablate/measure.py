@@ -8,6 +8,7 @@ import resource
 import statistics
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
@@ -111,17 +112,54 @@ _CATEGORY = {
     _MemRefType.ACT: "activations", _MemRefType.BUFFER: "other", _MemRefType.TEMP: "other",
     _MemRefType.OTH: "other",
 }
+BREAKDOWN_KEYS = ("params", "grads", "optimizer", "activations", "other")
 
 
-def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                device: torch.device) -> tuple[dict, float]:
-    """Run `step()` once under torch's MemTracker; return the breakdown at its peak and that peak (MiB).
+@dataclass
+class Trace:
+    """One traced training step, in MiB. MemTracker labels optimizer-step temporaries "optimizer"
+    while they live, so `after` (the steady state once the step is over) holds the states alone."""
 
-    MemTracker follows every tensor through a dispatch mode, so it works on CPU as on GPU, and
-    labels each byte as parameter, gradient, optimizer state or activation. It slows the step
-    down, so the caller runs it outside the timed steps.
+    peak_mib: float
+    at_peak: dict  # breakdown_mib at the moment of the peak total (what result.json reports)
+    category_max: dict  # each category's own maximum over the step (they peak at different times)
+    after: dict  # breakdown_mib when the step has finished
+
+
+class _CategoryTracker(MemTracker):
+    """MemTracker that also keeps each category's own maximum. torch's tracker records only the
+    snapshot at the peak total; this hooks its per-allocation peak update to see every snapshot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.category_max: dict[torch.device, dict] = {}
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        for dev, snap in self._curr_mem_snap.items():
+            seen = self.category_max.setdefault(dev, {})
+            for kind, nbytes in snap.items():
+                seen[kind] = max(seen.get(kind, 0), nbytes)
+
+
+def _breakdown(snapshot: dict, device: torch.device) -> dict:
+    """A MemTracker per-device snapshot (bytes by _MemRefType) -> breakdown_mib for `device`'s type."""
+    per_device = next((v for d, v in snapshot.items() if d.type == device.type), {})
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    for kind, nbytes in per_device.items():
+        if kind in _CATEGORY:
+            breakdown[_CATEGORY[kind]] += nbytes / MIB
+    return breakdown
+
+
+def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> Trace:
+    """Run `step()` once under torch's MemTracker and return what it saw on `device`.
+
+    MemTracker follows every tensor through a dispatch mode, so it works on CPU as on GPU (and on
+    fake tensors, for predictions), and labels each byte as parameter, gradient, optimizer state
+    or activation. It slows the step down, so the caller runs it outside the timed steps.
     """
-    tracker = MemTracker()
+    tracker = _CategoryTracker()
     tracker.track_external(model, optimizer)
 
     def next_micro_step(module, args) -> None:
@@ -139,12 +177,10 @@ def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             # post-accumulate hook looks at it; it warns and carries on, with the breakdown intact.
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
             step()
+            after = tracker.get_tracker_snapshot()
     finally:
         hook.remove()
-    snapshot = tracker.get_tracker_snapshot("peak")
-    per_device = next((v for d, v in snapshot.items() if d.type == device.type), {})
-    breakdown = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0.0)
-    for kind, nbytes in per_device.items():
-        if kind in _CATEGORY:
-            breakdown[_CATEGORY[kind]] += nbytes / MIB
-    return breakdown, per_device.get("Total", 0) / MIB
+    peak = tracker.get_tracker_snapshot("peak")
+    total = next((v.get("Total", 0) for d, v in peak.items() if d.type == device.type), 0)
+    return Trace(peak_mib=total / MIB, at_peak=_breakdown(peak, device),
+                 category_max=_breakdown(tracker.category_max, device), after=_breakdown(after, device))

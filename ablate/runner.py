@@ -90,8 +90,8 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
             first_step_s = measure.seconds_since(start, device)
     breakdown, traced_peak = None, None
     if warmup >= 1 and t.parallel.traceable:  # the last warm-up step is traced for the breakdown (untimed)
-        breakdown, traced_peak = measure.traced_step(lambda: losses.append(step(warmup - 1)),
-                                                     model, optimizer, device)
+        trace = measure.traced_step(lambda: losses.append(step(warmup - 1)), model, optimizer, device)
+        breakdown, traced_peak = trace.at_peak, trace.peak_mib
     elif warmup >= 1:
         losses.append(step(warmup - 1))
     events.emit("phase", phase="measure")

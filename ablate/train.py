@@ -19,7 +19,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     for i, (xb, yb) in enumerate(micro):
         with t.parallel.sync(model, last_micro_step=i == len(micro) - 1):
             with t.precision.autocast(device.type), t.offload.context(device.type):
-                _, loss = model(xb, yb)
+                loss = model(xb, yb)[1]  # logits (B, T, vocab) are not kept alive through backward
             loss = loss / len(micro)  # gradients of the micro-steps add up to the batch mean
             scaler.scale(loss).backward()
         total += loss.detach()

@@ -95,7 +95,7 @@ def breakdown(name: str, *overrides: str) -> dict:
     matrix dominates the step temporaries that the peak's "optimizer" entry includes."""
     model = gpt(n_layer=4, n_embd=128)
     opt, step = train(option(name, *overrides), model, steps=1, batch_size=2)
-    return traced_step(step, model, opt, CPU)[0]
+    return traced_step(step, model, opt, CPU).at_peak
 
 
 def test_8bit_and_factored_states_are_much_smaller_than_adamws():

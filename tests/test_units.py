@@ -119,12 +119,17 @@ def test_breakdown_categories_on_cpu():
     def step():
         model(torch.randn(64, 256)).pow(2).mean().backward()
         opt.step()
+        opt.zero_grad(set_to_none=True)
 
     step()  # states exist from here on
-    breakdown, peak = traced_step(step, model, opt, torch.device("cpu"))
+    trace = traced_step(step, model, opt, torch.device("cpu"))
     mib = 256 * 256 * 4 / 2**20
-    assert breakdown["params"] == pytest.approx(mib) and breakdown["optimizer"] >= 2 * mib
-    assert peak == pytest.approx(sum(breakdown.values()))
+    assert trace.at_peak["params"] == pytest.approx(mib) and trace.at_peak["optimizer"] >= 2 * mib
+    assert trace.peak_mib == pytest.approx(sum(trace.at_peak.values()))
+    # Once the step is over only the states are left: exp_avg, exp_avg_sq and a 4-byte fp32 step.
+    assert trace.after["optimizer"] * 2**20 == 2 * 256 * 256 * 4 + 4
+    assert trace.category_max["grads"] == pytest.approx(mib)
+    assert trace.category_max["activations"] >= 64 * 256 * 4 / 2**20  # the input saved for backward
 
 
 def test_event_reader_waits_for_complete_lines(tmp_path):

@@ -1,0 +1,42 @@
+"""Memory prediction for one grid point, before (or instead of) running it.
+
+Two methods, one result shape (`Prediction`):
+- analytic (ablate/predict/analytic.py): closed-form tensor sizes played through one training
+  step as a timeline of allocations and frees; instant, no torch allocation at all.
+- trace (ablate/predict/trace.py): the real training step run on fake tensors (FakeTensorMode)
+  under torch's MemTracker; needs no GPU and no memory, takes seconds to minutes.
+
+Both predict one rank's device memory as the torch allocator sees it (peak_allocated_mib), in MiB.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("analytic", "trace", "none")
+
+
+@dataclass
+class Prediction:
+    peak_mib: float  # one rank's peak of live tensor bytes on the training device
+    breakdown_mib: dict  # params, grads, optimizer, activations, other at that peak
+    category_max_mib: dict  # each category's own maximum over the step (they peak at different times)
+    method: str  # analytic | trace
+
+    def to_result(self) -> dict:
+        """The result contract's `prediction` field."""
+        return {"peak_mib": self.peak_mib, "breakdown_mib": self.breakdown_mib, "method": self.method}
+
+
+def predict(config: dict, method: str) -> Prediction | None:
+    """Predict a resolved config's memory with `method` (one of METHODS); None for "none"."""
+    if method not in METHODS:
+        raise ValueError(f"predict={method!r} is not one of {', '.join(METHODS)}")
+    if method == "analytic":
+        from ablate.predict.analytic import analytic
+
+        return analytic(config)
+    if method == "trace":
+        from ablate.predict.trace import trace  # imports torch: only when asked for
+
+        return trace(config)
+    return None
