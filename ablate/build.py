@@ -9,6 +9,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
+from ablate.capacity import MemoryLimit
 from ablate.model import GPT, GPTConfig
 from ablate.techniques import Invalid, Plan
 
@@ -55,6 +56,8 @@ def check_config(cfg: dict, device: str = "auto") -> Techniques:
     for key in ("batch_size", "seq_len"):
         if cfg[key] < 1:
             raise Invalid(f"{key}={cfg[key]} must be >= 1")
+    if cfg.get("gpu_memory_gib") is not None:
+        MemoryLimit(cfg["gpu_memory_gib"], torch.device("cpu"))  # rejects a card smaller than the CUDA context
     if cfg["compile"] and cfg["warmup_steps"] < 2:
         raise Invalid("compile=true needs warmup_steps >= 2: the first compiles, the last is traced")
     t.check(plan_of(cfg, device, t))

@@ -40,10 +40,16 @@ class Progress:
             self.stream.write("\r\033[K")
         m = result["metrics"]
         status = "skip" if skipped else result["status"]
+        predicted = (result.get("prediction") or {}).get("peak_mib")
         if result["status"] == "ok":
             peak = m["peak_allocated_mib"]
-            detail = (f"peak {_fmt(peak, '.1f', ' MiB')}  iter {_fmt(m['iter_time_ms'], '.1f', ' ms')}"
+            detail = (f"peak {_fmt(peak, '.1f', ' MiB')} (predicted {_fmt(predicted, '.1f')})"
+                      f"  iter {_fmt(m['iter_time_ms'], '.1f', ' ms')}"
                       f"  {_fmt(m['tokens_per_s'], ',.0f', ' tok/s')}  loss {_fmt(m['loss_final'], '.4f')}")
+            if m.get("max_batch_size"):
+                detail = f"max micro-batch {m['max_batch_size']}  " + detail
+        elif result["status"] == "predicted":
+            detail = f"predicted peak {_fmt(predicted, ',.1f', ' MiB')}"
         else:
             detail = f"{result['status']}: {result['reason']}"
         self.stream.write(f"[{status:>7}] {self.label}  {detail}  -> {where}\n")

@@ -4,6 +4,7 @@ resolve config -> run_id -> skip if done -> validate -> launch the worker -> cla
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -20,12 +21,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from ablate import results
 from ablate.build import check_config
+from ablate.capacity import capacity_mib, largest_fitting, micro_batches
 from ablate.console import Progress
+from ablate.predict import Prediction, predict
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
 from launch.local import Outcome, run_worker
-from launch.nvml import visible_gpu_count
+from launch.nvml import gpu_total_mib, visible_gpu_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+FIND_BATCH_MARGIN = 0.05  # a probe must stay 5% under the capacity to count as fitting
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,6 +64,7 @@ def resolve_nproc(config: dict) -> None:
 
 def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
     spec = {"config": config, "run_dir": str(run_dir), "overrides": overrides}
+    run_dir.mkdir(parents=True, exist_ok=True)  # find_batch probes run in subdirectories
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
@@ -71,17 +76,93 @@ def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress
                       world_size=world, on_event=progress)
 
 
-def outcome_of(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
-    """Validate, then run. An invalid combination never starts a worker."""
+def validate(config: dict) -> Outcome | None:
+    """An `invalid` outcome for a combination that cannot run; None if it can."""
     try:
         check_config(config)
     except Exception as exc:  # Invalid, or an option rejecting its keys (instantiate's TypeError)
         cause = exc.__cause__ or exc
         return Outcome("invalid", f"{type(cause).__name__}: {cause}" if cause is not exc else str(exc))
+    return None
+
+
+def run_once(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
+    """Validate, then run. An invalid combination never starts a worker."""
+    invalid = validate(config)
+    if invalid:
+        return invalid
     try:
         return launch(config, run_dir, overrides, progress)
     except Exception as exc:  # our own failure to launch is still a row, never a lost point
         return Outcome("error", f"launch failed: {type(exc).__name__}: {exc}")
+
+
+def predicted(config: dict) -> Prediction | None:
+    """The point's predicted memory; a method that fails falls back to the analytic model, and a
+    prediction that cannot be made is a warning, never a lost point."""
+    methods = [] if config["predict"] == "none" else list(dict.fromkeys([config["predict"], "analytic"]))
+    for method in methods:
+        try:
+            return predict(config, method)
+        except Exception as exc:  # e.g. an option the fake-tensor trace cannot follow
+            print(f"warning: predict={method} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return None
+
+
+def outcome_of(config: dict, run_dir: Path, overrides: list[str],
+               progress: Progress) -> tuple[Outcome, Prediction | None]:
+    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search."""
+    invalid = validate(config)
+    if invalid:
+        return invalid, None
+    prediction = predicted(config)
+    if config["predict_only"]:
+        return Outcome("predicted", None), prediction
+    capacity = capacity_mib(config, gpu_total_mib())
+    if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):
+        return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB > {capacity:,.0f} MiB usable "
+                              f"(+{config['prune_margin']:.0%} margin); not run"), prediction
+    if config["find_batch"]:
+        return find_batch(config, run_dir, overrides, progress, capacity), prediction
+    return run_once(config, run_dir, overrides, progress), prediction
+
+
+def with_micro_batch(config: dict, micro: int, steps: int | None = None) -> dict:
+    """`config` training its batch_size in micro-batches of `micro` (accumulation raised to match)."""
+    cfg = copy.deepcopy(config)
+    cfg["accumulation"]["steps"] = cfg["batch_size"] // micro
+    cfg["find_batch"] = False
+    if steps:
+        cfg["steps"], cfg["samples"] = steps, None
+    return cfg
+
+
+def find_batch(config: dict, run_dir: Path, overrides: list[str], progress: Progress,
+               capacity: float | None) -> Outcome:
+    """Binary-search the largest micro-batch that fits with short probe runs (any rank failing
+    fails the probe), then measure the point at that micro-batch. A probe whose peak (reserved,
+    else allocated) comes within FIND_BATCH_MARGIN of the capacity does not count as fitting: a
+    longer run fragments the cache further."""
+    probes: list[dict] = []
+
+    def fits(micro: int) -> bool:
+        out = run_once(with_micro_batch(config, micro, steps=1), run_dir / "find_batch" / f"micro_{micro}",
+                       overrides, progress)
+        peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
+        ok = out.status == "ok" and not (capacity and peak and peak > capacity * (1 - FIND_BATCH_MARGIN))
+        probes.append({"micro_batch": micro, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
+        return ok
+
+    best = largest_fitting(micro_batches(config["batch_size"]), fits)
+    found = {"find_batch": probes, "max_batch_size": best}
+    if best is None:
+        first = probes[0]  # the smallest micro-batch is always among the probes when none fits
+        status = first["status"] if first["status"] in ("invalid", "error", "timeout") else "oom"
+        return Outcome(status, f"no micro-batch of batch_size={config['batch_size']} fits: micro-batch "
+                               f"{first['micro_batch']}: {first['reason'] or 'over the capacity margin'}", found)
+    out = run_once(with_micro_batch(config, best), run_dir, overrides, progress)
+    out.metrics = {**out.metrics, **found}
+    return out
 
 
 @dataclass
@@ -106,10 +187,11 @@ class Point:
                    run_dir, hydra.job.override_dirname or "defaults")
 
     def record(self, status: str, reason: str | None, metrics: dict | None = None, env: dict | None = None,
-               timing: dict | None = None) -> dict:
+               timing: dict | None = None, prediction: Prediction | None = None) -> dict:
         """Write this point's result.json (and its index entry); returns the result."""
         result = results.make(self.run_id, status, reason, self.choices, self.config, self.overrides,
-                              metrics=metrics, env={**job_env(), **(env or {})}, timing=timing)
+                              metrics=metrics, env={**job_env(), **(env or {})}, timing=timing,
+                              prediction=prediction.to_result() if prediction else None)
         path = self.run_dir / results.RESULT_FILE
         results.write_json(path, result)
         results.Index(self.config["out_dir"]).record(self.run_id, path)
@@ -131,11 +213,11 @@ def run_point(cfg: DictConfig) -> dict:
         return result
 
     started, t0 = datetime.now(timezone.utc), time.monotonic()
-    outcome = outcome_of(point.config, point.run_dir, point.overrides, progress)
+    outcome, prediction = outcome_of(point.config, point.run_dir, point.overrides, progress)
     timing = {"started_at": started.isoformat(), "finished_at": datetime.now(timezone.utc).isoformat(),
               "wall_s": time.monotonic() - t0}
     if int(os.environ.get("SLURM_PROCID", 0)) != 0:
         return {}  # multi-node: every node ran its ranks; the first node's task writes the row
-    result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing)
+    result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing, prediction)
     progress.done(result, str(result_path))
     return result

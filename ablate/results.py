@@ -13,20 +13,22 @@ from pathlib import Path
 
 SCHEMA = "ablate.result/1"
 RESULT_FILE = "result.json"
-STATUSES = ("ok", "oom", "invalid", "error", "timeout")
+STATUSES = ("ok", "oom", "invalid", "error", "timeout", "predicted")  # predicted: predict_only=true
 # Outcomes that a rerun would repeat: skip_existing skips them. error and timeout may be transient
-# (a node failure, a busy machine), so they run again.
+# (a node failure, a busy machine), so they run again; so do predictions (status "predicted", and an
+# oom whose reason starts with PRUNED), which a later run without predict_only/prune must measure.
 TERMINAL = ("ok", "oom", "invalid")
+PRUNED = "predicted:"
 
 METRIC_KEYS = (
     "peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
     "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
     "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
     "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
-    "losses", "per_rank",
+    "losses", "per_rank", "max_batch_size", "find_batch",
 )
-ENV_KEYS = ("torch", "cuda", "gpu_name", "gpu_total_mib", "driver", "world_size", "hostname", "git_sha",
-            "python", "slurm_job_id")
+ENV_KEYS = ("torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname",
+            "git_sha", "python", "slurm_job_id")
 
 
 def run_id(config: dict) -> str:
@@ -50,7 +52,7 @@ def make(run_id: str, status: str, reason: str | None, choices: dict, config: di
         "config": config,
         "overrides": overrides,
         "metrics": {k: metrics.get(k) for k in METRIC_KEYS},
-        "prediction": prediction or {"peak_mib": None, "breakdown_mib": None},
+        "prediction": prediction or {"peak_mib": None, "breakdown_mib": None, "method": None},
         "env": {k: env.get(k) for k in ENV_KEYS},
         "timing": timing or {"started_at": None, "finished_at": None, "wall_s": None},
     }
@@ -81,6 +83,11 @@ def read(path: str | Path) -> dict | None:
     return obj if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
 
 
+def is_terminal(result: dict) -> bool:
+    """A measured outcome that a rerun would repeat (not a prediction, not a transient failure)."""
+    return result.get("status") in TERMINAL and not str(result.get("reason") or "").startswith(PRUNED)
+
+
 class Index:
     """<out_dir>/index/<run_id>: the path of the newest result.json of each run_id.
 
@@ -104,6 +111,6 @@ class Index:
             return None
         path = Path(entry.read_text().strip())
         result = read(path)
-        if result and result.get("run_id") == run_id and result.get("status") in TERMINAL:
+        if result and result.get("run_id") == run_id and is_terminal(result):
             return path, result
         return None

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 
 from ablate import measure
 from ablate.build import Techniques, build_model, build_optimizer, check_config, gpt_config, pick_device
+from ablate.capacity import MemoryLimit
 from ablate.data import TokenData
 from ablate.events import EventWriter
 from ablate.hardware import flops_per_token, peak_tflops
@@ -165,10 +166,13 @@ def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict
     device = pick_device(cfg["device"])
     t = check_config(cfg, device.type)
     device = t.parallel.setup(device)
+    limit = MemoryLimit(cfg.get("gpu_memory_gib"), device)  # an emulated smaller GPU, if asked for
+    limit.apply()
     data = load_data(cfg)
     torch.manual_seed(cfg["seed"])
     t.precision.setup()
     model, trained = train(cfg, t, data, device, events, before_first_step)
+    limit.check(trained.peaks["peak_allocated_mib"])
     events.emit("phase", phase="eval")
     eval_loss = evaluate(model, data, cfg["batch_size"], t, device)
     mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
@@ -187,5 +191,6 @@ def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict
         "gpu_name": gpu_name,
         "gpu_total_mib": torch.cuda.get_device_properties(device).total_memory / measure.MIB if cuda else None,
         "world_size": t.parallel.world_size,
+        **limit.env(),
     }
     return {"metrics": metrics(cfg, t, trained, ranks, eval_loss, data.loss_floor, gpu_name), "env": env}

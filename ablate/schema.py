@@ -16,13 +16,19 @@ from omegaconf import MISSING
 GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel")
 
 # Keys that change where or whether a point runs, never what it measures: left out of run_id.
-NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir")
+NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir", "predict", "predict_only", "prune", "prune_margin")
 
 
 class Device(str, Enum):
     auto = "auto"  # cuda when the worker sees a GPU, else cpu
     cpu = "cpu"
     cuda = "cuda"
+
+
+class Predict(str, Enum):
+    analytic = "analytic"  # closed-form sizes played through one step (ablate/predict/analytic.py): instant
+    trace = "trace"  # the real step on fake tensors under MemTracker (ablate/predict/trace.py): seconds
+    none = "none"
 
 
 @dataclass
@@ -61,6 +67,13 @@ class Config:
     timeout_s: float = 1800.0  # wall-clock limit of one worker
     skip_existing: bool = True  # skip a point whose result.json is already terminal
     out_dir: str = "outputs"
+    # Capacity planning (ablate/predict/, ablate/capacity.py). Memory is predicted for every point.
+    predict: Predict = Predict.analytic
+    predict_only: bool = False  # record each point's prediction (status "predicted") and run nothing
+    gpu_memory_gib: Optional[float] = None  # emulate a GPU of this size (GiB); rows say so in env
+    prune: bool = False  # record points predicted not to fit as oom ("predicted: ...") without running them
+    prune_margin: float = 0.1  # prune only above capacity x (1 + margin): the prediction may be high
+    find_batch: bool = False  # search the largest micro-batch that fits (accumulation keeps batch_size)
 
 
 def register() -> None:

@@ -24,7 +24,7 @@ KILL_GRACE_S = 10.0  # SIGTERM first, so torchrun can stop its ranks; SIGKILL af
 
 @dataclass
 class Outcome:
-    status: str  # ok | oom | invalid | error | timeout
+    status: str  # ok | oom | invalid | error | timeout | predicted
     reason: str | None
     metrics: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)

@@ -23,6 +23,20 @@ def visible_gpu_count() -> int:
     return nv.nvmlDeviceGetCount() if nv else 0
 
 
+def gpu_total_mib() -> float | None:
+    """Total memory of the first GPU a worker would see (None without one), without initialising CUDA."""
+    nv = _nvml()
+    if not nv or visible_gpu_count() == 0:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    try:
+        handle = (nv.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
+                  else nv.nvmlDeviceGetHandleByUUID(visible))
+        return nv.nvmlDeviceGetMemoryInfo(handle).total / MIB
+    except Exception:  # an odd CUDA_VISIBLE_DEVICES entry: capacity unknown, nothing is pruned
+        return None
+
+
 def _nvml():
     try:
         import pynvml  # provided by the nvidia-ml-py package

@@ -21,6 +21,7 @@ class Prediction:
     breakdown_mib: dict  # params, grads, optimizer, activations, other at that peak
     category_max_mib: dict  # each category's own maximum over the step (they peak at different times)
     method: str  # analytic | trace
+    steady_mib: dict | None = None  # what stays once the step is over: params, optimizer states
 
     def to_result(self) -> dict:
         """The result contract's `prediction` field."""

@@ -313,4 +313,5 @@ def analytic(cfg: dict) -> Prediction:
     sh = _shapes(cfg, t)
     tl = _play(t, sh, _sizes(t, sh, device), cfg["batch_size"] * cfg["seq_len"])
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
-                      category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic")
+                      category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",
+                      steady_mib={k: v / MIB for k, v in tl.now.items()})

@@ -1,0 +1,91 @@
+"""The analytic memory model against torch's MemTracker on real CPU steps, and its effects."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ablate import measure
+from ablate.build import build_model, build_optimizer, check_config
+from ablate.predict import predict
+from ablate.predict.analytic import analytic
+from ablate.train import train_step
+from tests.helpers import compose_config
+
+MIB = 2**20
+# gpt-nano with a small vocabulary, so that the blocks' activations are not drowned by the logits.
+NANO = ["model=gpt-nano", "model.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
+
+
+def measured(overrides: list[str]) -> measure.Trace:
+    """MemTracker on the second real step of the point (the first allocates optimizer states)."""
+    cfg = compose_config([*NANO, *overrides])
+    t = check_config(cfg, "cpu")
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    model = build_model(cfg["model"], t, cpu)
+    optimizer = build_optimizer(model, t)
+    scaler = t.precision.grad_scaler("cpu")
+
+    def step():
+        batch = torch.randint(0, 128, (2, cfg["batch_size"], cfg["seq_len"]))  # made inside the step, as in runs
+        train_step(model, optimizer, scaler, t, (batch[0], batch[1]), cpu)
+
+    step()
+    return measure.traced_step(step, model, optimizer, cpu)
+
+
+GRID = list(itertools.product(
+    ["sgd", "adamw", "adamw_foreach", "adamw_fused", "adafactor", "adamw8bit"],
+    ["fp32", "bf16_pure"], ["none", "block"], ["none", "x4"]))
+
+
+@pytest.mark.parametrize("optimizer,precision,checkpoint,accumulation", GRID)
+def test_analytic_matches_memtracker(optimizer, precision, checkpoint, accumulation):
+    overrides = [f"optimizer={optimizer}", f"precision={precision}", f"checkpoint={checkpoint}",
+                 f"accumulation={accumulation}"]
+    real = measured(overrides)
+    pred = analytic(compose_config([*NANO, *overrides]))
+    # Bytes, exactly: parameters, the gradient set (with a micro-step's gradient being added in
+    # under accumulation), and the optimizer states left once the step is over.
+    assert pred.category_max_mib["params"] * MIB == real.category_max["params"] * MIB
+    assert pred.category_max_mib["grads"] * MIB == real.category_max["grads"] * MIB
+    assert pred.steady_mib["optimizer"] * MIB == real.after["optimizer"] * MIB
+    assert pred.category_max_mib["activations"] == pytest.approx(real.category_max["activations"], rel=0.15)
+    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.10)
+
+
+def test_gpt2_xl_model_state_is_16_bytes_per_param():
+    """fp32 AdamW without AMP, DDP on one rank: 4 (params) + 4 (grads) + 8 (two states) bytes/param."""
+    cfg = compose_config(["model=gpt2-xl", "parallel=ddp", "parallel.nproc=1", "device=cuda",
+                          "batch_size=1", "seq_len=1024"])
+    pred = analytic(cfg)
+    state = pred.category_max_mib["params"] + pred.category_max_mib["grads"] + pred.steady_mib["optimizer"]
+    assert state * MIB == 16 * 1_557_611_200
+
+
+def activations(*overrides: str) -> float:
+    return analytic(compose_config([*NANO, *overrides])).category_max_mib["activations"]
+
+
+def test_monotone_in_the_techniques():
+    assert activations("checkpoint=block") < activations("checkpoint=every2") < activations("checkpoint=none")
+    assert activations("offload=activations", "device=auto") < activations("device=auto")
+
+    def state(option: str) -> float:
+        return analytic(compose_config([*NANO, f"optimizer={option}", "model.n_embd=192"])).steady_mib["optimizer"]
+
+    assert state("adamw8bit") < state("adamw") / 3 and state("adafactor") < state("adamw8bit")
+
+    def per_rank_peak(parallel: str) -> float:
+        return analytic(compose_config(["model=gpt2", f"parallel={parallel}", "parallel.nproc=4",
+                                        "device=cuda", "batch_size=4", "seq_len=512"])).peak_mib
+
+    assert per_rank_peak("fsdp") < per_rank_peak("ddp")
+    assert per_rank_peak("fsdp") < per_rank_peak("fsdp_grad_op") < per_rank_peak("ddp")
+
+
+def test_predict_rejects_an_unknown_method():
+    with pytest.raises(ValueError, match="analytic, trace, none"):
+        predict(compose_config(NANO), "guess")
