@@ -57,7 +57,7 @@ def resolve_nproc(config: dict) -> None:
     """parallel.nproc=auto -> every visible GPU, or 2 gloo processes where there is none (so a
     DDP/FSDP sweep runs anywhere). Written into the config: the run_id names the real count."""
     parallel = config["parallel"]
-    if parallel.get("nproc") == "auto":
+    if parallel["nproc"] == "auto":
         gpus = visible_gpu_count() if config["device"] != "cpu" else 0
         parallel["nproc"] = gpus or 2
 
@@ -69,7 +69,7 @@ def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress
     spec_path.write_text(json.dumps(spec, indent=2))
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
     parallel = config["parallel"]
-    distributed = "nproc" in parallel  # every option but `single` runs its ranks under torchrun
+    distributed = not parallel["_target_"].endswith(".Single")  # the others run their ranks under torchrun
     module = "launch.torchrun" if distributed else "ablate.worker"
     world = parallel["nproc"] * parallel["nodes"] if distributed else 1
     return run_worker([sys.executable, "-m", module, str(spec_path)], run_dir, config["timeout_s"],

@@ -21,10 +21,18 @@ from ablate.techniques.precision import DTYPES
 class Single(Option):
     """One process on one device: the whole model, its gradients and optimizer states on it."""
 
-    nproc = nodes = world_size = 1
+    world_size = 1
     shards_params = False  # parameters are whole on every rank
     rank = 0
     traceable = True  # torch's MemTracker can follow this wrapper (for the memory breakdown)
+
+    def __init__(self, nproc: int | str = 1, nodes: int = 1):
+        self.nproc, self.nodes = nproc, nodes
+
+    def check(self, plan: Plan) -> None:
+        if self.nproc != 1 or self.nodes != 1:
+            raise Invalid(f"parallel=single runs one process: parallel.nproc={self.nproc}, "
+                          f"parallel.nodes={self.nodes} need parallel=ddp, fsdp, fsdp_grad_op or fsdp1")
 
     def setup(self, device: torch.device) -> torch.device:
         """Join the process group (if any) and return this rank's device."""
@@ -47,7 +55,8 @@ class _Distributed(Single):
     BACKENDS = ("auto", "nccl", "gloo")
 
     def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto"):
-        self.nproc, self.nodes, self.backend = nproc, nodes, backend
+        super().__init__(nproc, nodes)
+        self.backend = backend
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,96 @@
+"""Capacity planning through the CLI: predict_only, prune, emulated GPU size, largest batch that fits."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ablate.capacity import CUDA_CONTEXT_MIB, largest_fitting, micro_batches
+from ablate.job import FIND_BATCH_MARGIN, with_micro_batch
+from ablate.predict.analytic import analytic
+from tests.helpers import FAST, ROOT, compose_config, results_under, run_cli
+
+
+def gib_for(usable_mib: float) -> float:
+    """gpu_memory_gib of a card whose allocator can use `usable_mib`."""
+    return (usable_mib + CUDA_CONTEXT_MIB) / 1024
+
+
+def predicted_peak(*overrides: str) -> float:
+    return analytic(compose_config([*FAST, *overrides])).peak_mib
+
+
+def test_largest_fitting_is_a_binary_search():
+    tried = []
+
+    def fits(m: int) -> bool:
+        tried.append(m)
+        return m <= 24
+
+    assert largest_fitting(micro_batches(96), fits) == 24
+    assert len(tried) <= 4  # 12 divisors of 96: ceil(log2(13)) probes
+    assert largest_fitting([1, 2, 4], lambda m: False) is None
+    assert micro_batches(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_predict_only_plans_a_gpu_grid_on_a_machine_without_one(tmp_path):
+    """device=cuda and 8 ranks on a CPU machine: every point predicted, no worker started."""
+    proc = run_cli(["-m", "device=cuda", "parallel=fsdp,ddp", "parallel.nproc=8", "predict_only=true"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = results_under(tmp_path)
+    assert [r["status"] for r in rows] == ["predicted", "predicted"]
+    peaks = {r["choices"]["parallel"]: r["prediction"]["peak_mib"] for r in rows}
+    assert 0 < peaks["fsdp"] < peaks["ddp"]
+    assert all(r["prediction"]["method"] == "analytic" and r["prediction"]["breakdown_mib"]["params"] > 0 for r in rows)
+    assert not list(tmp_path.rglob("events.jsonl"))  # nothing ran
+
+
+def test_prune_records_predicted_oom_and_a_later_run_measures_it(tmp_path):
+    small, big = predicted_peak("batch_size=4"), predicted_peak("batch_size=32")
+    gib = gib_for((small + big) / 2)
+    proc = run_cli(["-m", "batch_size=4,32", "prune=true", f"gpu_memory_gib={gib}", "prune_margin=0"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["config"]["batch_size"]: r for r in results_under(tmp_path)}
+    assert rows[4]["status"] == "ok" and rows[4]["env"]["emulated_gpu_mib"] == pytest.approx(gib * 1024)
+    assert rows[32]["status"] == "oom" and rows[32]["reason"].startswith("predicted:")
+    assert rows[32]["metrics"]["peak_allocated_mib"] is None  # never ran
+    # Without prune the same point is measured (a prediction is not a result to skip), and the
+    # emulated card really is too small for it: on a CPU the traced peak is checked afterwards.
+    proc = run_cli(["batch_size=32", f"gpu_memory_gib={gib}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rerun = [r for r in results_under(tmp_path / "runs")]
+    assert [r["status"] for r in rerun] == ["oom"] and "emulated" in rerun[0]["reason"]
+    assert rerun[0]["run_id"] == rows[32]["run_id"]
+
+
+def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
+    p8, p16 = predicted_peak("batch_size=8"), predicted_peak("batch_size=16")
+    usable = (p8 + p16) / 2 / (1 - FIND_BATCH_MARGIN)  # micro-batch 8 fits with its margin, 16 does not
+    proc = run_cli(["batch_size=32", "find_batch=true", f"gpu_memory_gib={gib_for(usable)}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = results_under(tmp_path)
+    assert row["status"] == "ok", row["reason"]
+    assert row["metrics"]["max_batch_size"] == 8
+    probes = {p["micro_batch"]: p["fits"] for p in row["metrics"]["find_batch"]}
+    assert probes[8] and not probes[16] and len(probes) <= 3
+    assert row["metrics"]["tokens_per_s"] > 0 and row["config"]["batch_size"] == 32
+    assert with_micro_batch(row["config"], 8)["accumulation"]["steps"] == 4
+
+
+def test_report_shows_predicted_measured_and_error(tmp_path):
+    proc = run_cli(["-m", "checkpoint=none,block"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "full"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "Predicted peak (MiB)" in report.stdout
+    for row in results_under(tmp_path):
+        measured, predicted = row["metrics"]["peak_allocated_mib"], row["prediction"]["peak_mib"]
+        assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def test_bad_predict_method_names_the_choices(tmp_path):
+    proc = run_cli(["predict=guess"], tmp_path)
+    assert proc.returncode != 0
+    assert "predict" in proc.stderr and "analytic" in proc.stderr and "trace" in proc.stderr
