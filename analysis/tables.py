@@ -57,7 +57,9 @@ def delta(value, base) -> str:
 
 
 def failed(row: pd.Series) -> str:
-    """The cell a failed run shows where a number would be."""
+    """The cell a failed (or only predicted) run shows where a number would be."""
+    if row["status"] == "predicted" and pd.notna(row.get("predicted_peak_mib")):
+        return f"~{row['predicted_peak_mib']:,.0f} (predicted)"
     return "OOM" if row["status"] == "oom" else row["status"]
 
 

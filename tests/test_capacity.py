@@ -94,3 +94,17 @@ def test_bad_predict_method_names_the_choices(tmp_path):
     proc = run_cli(["predict=guess"], tmp_path)
     assert proc.returncode != 0
     assert "predict" in proc.stderr and "analytic" in proc.stderr and "trace" in proc.stderr
+
+
+def test_batch_scan_experiment_is_one_command(tmp_path):
+    """The published-table scan (1, 2, 4, 7, 8, 9, ...), planned without running: memory grows with batch."""
+    proc = run_cli(["-m", "experiment=batch_scan", "model=gpt-nano", "seq_len=32", "predict_only=true"], tmp_path,
+                   fast=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted(results_under(tmp_path), key=lambda r: r["config"]["batch_size"])
+    assert [r["config"]["batch_size"] for r in rows] == [1, 2, 4, 7, 8, 9, 16, 32, 64]
+    peaks = [r["prediction"]["peak_mib"] for r in rows]
+    assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "batch"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert "(predicted)" in report.stdout
