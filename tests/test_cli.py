@@ -20,8 +20,8 @@ METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_p
            "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
            "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
            "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
-           "losses", "per_rank"}
-ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "driver", "world_size", "hostname", "git_sha", "python",
+           "losses", "per_rank", "max_batch_size", "find_batch"}
+ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname", "git_sha", "python",
        "slurm_job_id"}
 CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel"}
 
@@ -49,7 +49,8 @@ def test_result_carries_every_contract_field(sweep):
     for r in results_under(sweep[0] / "sweeps" / "first"):
         assert set(r) == TOP and r["schema"] == "ablate.result/1"
         assert set(r["metrics"]) == METRICS and set(r["env"]) == ENV and set(r["choices"]) == CHOICES
-        assert set(r["prediction"]) == {"peak_mib", "breakdown_mib"}
+        assert set(r["prediction"]) == {"peak_mib", "breakdown_mib", "method"}
+        assert r["prediction"]["method"] == "analytic" and r["prediction"]["peak_mib"] > 0
         assert set(r["timing"]) == {"started_at", "finished_at", "wall_s"}
         assert set(r["metrics"]["breakdown_mib"]) == {"params", "grads", "optimizer", "activations", "other"}
         m = r["metrics"]
