@@ -35,6 +35,10 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DDP_BUCKET_NOTE = "DDP copies every gradient into its flat all-reduce buckets (gradient_as_bucket_view=False)"
 
 
+class Unmodelled(Exception):
+    """An option this model has no sizes for (a new option must add its memory model here)."""
+
+
 class Timeline:
     """Live bytes per category over one step; keeps the peak total, the breakdown at it and
     each category's own maximum."""
@@ -125,7 +129,7 @@ def _block_saves(t: Techniques, index: int, sh: Shapes, r: int, c: int) -> tuple
         return saved, full  # a wrapped Linear or GELU keeps exactly what it kept before
     if isinstance(option, ckpt.NoCheckpoint):
         return full, full
-    raise NotImplementedError(f"no memory model for checkpoint option {type(option).__name__}")
+    raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__}")
 
 
 def _state_bytes(t: Techniques, shape: tuple, numel: int, d: int, device: str) -> float:
@@ -146,7 +150,7 @@ def _state_bytes(t: Techniques, shape: tuple, numel: int, d: int, device: str) -
             return numel * d + step
         rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
         return (rows + cols) * d + step
-    raise NotImplementedError(f"no memory model for optimizer option {type(o).__name__}")
+    raise Unmodelled(f"no memory model for optimizer option {type(o).__name__}")
 
 
 def _for_loop(groups: list[list[int]], d: int, per_tensor: int) -> float:
@@ -171,7 +175,7 @@ def _step_temp_bytes(t: Techniques, groups: list[list[int]], d: int, device: str
         return _for_loop(groups, d, 1)  # the row x col variance estimate, scaled in place
     if isinstance(o, opt.SGD):
         return _for_loop(groups, d, 1) if o.weight_decay else 0.0  # grad + wd * param
-    raise NotImplementedError(f"no memory model for optimizer option {type(o).__name__}")
+    raise Unmodelled(f"no memory model for optimizer option {type(o).__name__}")
 
 
 @dataclass
