@@ -1,0 +1,224 @@
+"""predict=trace: one rank's real training step run on fake tensors under torch's MemTracker.
+
+The config is built exactly as a worker builds it (build_model, build_optimizer: the same
+techniques in the same order), but inside FakeTensorMode: every tensor has a shape, dtype and
+device and no storage, so even gpt2-xl allocates nothing. One untraced step creates the optimizer
+states; the second is traced by `measure.traced_step`, the tracker a real run reports its
+breakdown with, so a prediction on the CPU equals the real CPU step's figures.
+
+Where a fake tensor cannot stand in for a real one, the glue below says why and works around it
+as narrowly as it can; options it cannot make work raise `Untraceable`, and the caller falls back
+to the analytic model. Everything set up here is undone on the way out.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ablate import measure
+from ablate.build import (
+    Techniques,
+    build_model,
+    build_optimizer,
+    check_config,
+    gpt_config,
+)
+from ablate.model import GPT
+from ablate.predict import Prediction
+from ablate.techniques import optimizer as opt
+from ablate.techniques import parallel as par
+from ablate.techniques.offload import OptimizerState
+from ablate.techniques.precision import DTYPES
+from ablate.train import train_step
+
+
+class Untraceable(Exception):
+    """This grid point has an option a fake-tensor step cannot run; predict it another way."""
+
+
+def trace(config: dict) -> Prediction:
+    """Predict one rank's peak device memory (MiB) for a resolved config from a fake step."""
+    # Validity is the job's business (it checked with device "auto"); "cuda" here would ask
+    # torch.cuda about bf16 and the GPU count, questions for the worker's host, not this one.
+    t = check_config(config, "cpu" if config["device"] == "cpu" else "auto")
+    _check_traceable(t)
+    device = _device(config["device"])
+    ddp = isinstance(t.parallel, par.DDP)
+    if ddp:  # a DDP rank computes what a single process does; its gradient buckets are added below
+        t.parallel = par.Single()
+    # Optimizers that read tensor values (see _ValueReads) get them answered; no one else does,
+    # so any other data-dependent read still fails loudly.
+    reads = _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit)) else contextlib.nullcontext()
+    with _fake_world(t.parallel), FakeTensorMode() as mode, _real_optimizer_defaults(), reads:
+        with _swappable_params(mode):
+            # compile=true is traced eager: compiled kernels cannot run on fake tensors. Inductor's
+            # fusions usually keep fewer activations, so this tends to over-predict such runs.
+            model = build_model(config["model"], t, device)
+        optimizer = build_optimizer(model, t)
+        # fp16's GradScaler reads found_inf.item() in step() to decide whether to skip it, a value
+        # a fake tensor does not have. Unscaling is in place, so a disabled scaler costs the same.
+        scaler = torch.amp.GradScaler(device.type, enabled=False)
+
+        def step() -> torch.Tensor:
+            return train_step(model, optimizer, scaler, t, _fake_batch(config), device)
+
+        step()  # creates the optimizer states, as a real run's warm-up does
+        traced = measure.traced_step(step, model, optimizer, device)
+    at_peak, category_max, peak = traced.at_peak, traced.category_max, traced.peak_mib
+    if ddp:
+        buckets = _ddp_bucket_mib(config, t)
+        at_peak = {**at_peak, "other": at_peak["other"] + buckets}
+        category_max = {**category_max, "other": category_max["other"] + buckets}
+        peak += buckets
+    return Prediction(peak_mib=peak, breakdown_mib=at_peak, category_max_mib=category_max, method="trace")
+
+
+def _device(requested: str) -> torch.device:
+    """The fake device: the one the config names, and for "auto" the GPU the user plans on.
+
+    cuda:0, not "cuda": `.to("cuda")` asks the CUDA runtime for its current device even when the
+    tensor is fake.
+    """
+    if requested == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        # A fake CUDA step is only the GPU's step where torch can see one: on a CPU-only build the
+        # first autograd node on a fake CUDA tensor aborts the whole process (no CUDA device guard
+        # to ask for a stream, an error thrown through noexcept code), and on a CUDA build without
+        # a GPU torch.autocast("cuda") turns itself off and SDPA takes the math kernel, which
+        # stores a (T, T) matrix per head: a wrong prediction, silently.
+        raise Untraceable(f"device={requested}: a fake CUDA step needs a visible GPU (this host has "
+                          f"none); trace with device=cpu or use the analytic model")
+    return torch.device("cuda", 0)
+
+
+def _check_traceable(t: Techniques) -> None:
+    """Raise Untraceable for an option whose step cannot run, or be followed, on fake tensors."""
+    if isinstance(t.parallel, par.FSDP1):
+        raise Untraceable("parallel=fsdp1: MemTracker cannot follow FSDP1's flat parameters")
+    if isinstance(t.parallel, par._Distributed) and t.parallel.world_size < 1:
+        raise Untraceable("parallel.nproc=auto: resolve the world size before tracing one rank of it")
+    if isinstance(t.offload, OptimizerState):
+        raise Untraceable("offload=optimizer: torchao's CPUOffloadOptimizer moves gradients with real "
+                          "CUDA streams and events, which fake tensors cannot stand in for")
+
+
+def _fake_batch(config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) int64 inputs and targets on the host, as TokenData gives them: the train step
+    copies them to the device, so the device copies are counted as in a real step."""
+    B, T, V = config["batch_size"], config["seq_len"], config["model"]["vocab_size"]
+    return torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+
+
+def _ddp_bucket_mib(config: dict, t: Techniques) -> float:
+    """DDP's gradient buckets (MiB): the reducer gives every bucket a flat gradient tensor, and the
+    buckets cover every parameter (torch/csrc/distributed/c10d/reducer.cpp, initialize_buckets;
+    gradient_as_bucket_view=False), so a DDP rank holds one more gradient-sized copy for good.
+    A real 2-rank gloo run's traced peak is exactly the single-process peak plus this."""
+    with torch.device("meta"):  # sizes only
+        n = GPT(gpt_config(config["model"])).num_params()
+    return n * DTYPES[t.precision.param_dtype].itemsize / measure.MIB
+
+
+@contextlib.contextmanager
+def _fake_world(parallel) -> Iterator[None]:
+    """FSDP shards over a process group: a fake one (torch's FakeProcessGroup: collectives do
+    nothing) of the real world size, this process being rank 0; destroyed on the way out."""
+    if not parallel.shards_params:
+        yield
+        return
+    # torch's fake process group: importing fake_pg registers the "fake" backend.
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise Untraceable(f"parallel={type(parallel).__name__.lower()}: this process already has a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
+    default_mesh = _fully_shard._init_default_mesh
+    try:
+        # fully_shard builds its default mesh (every rank) from torch.arange(world).tolist(), a
+        # value a fake tensor does not have: the same mesh is built here, before the fake mode.
+        mesh = default_mesh()
+        _fully_shard._init_default_mesh = lambda mesh_dim_names=None: mesh
+        yield
+    finally:
+        _fully_shard._init_default_mesh = default_mesh
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _swappable_params(mode: FakeTensorMode) -> Iterator[None]:
+    """Let Module.to() convert fake parameters (a torch bug: test_fake_tensor.py::test_module_to).
+
+    Module._apply replaces a fake parameter with torch.utils.swap_tensors, which refuses tensors
+    that have weakrefs, and FakeTensorMode memoises every fake tensor it makes in a
+    WeakValueDictionary. Dropping the two tensors from that memo just before the swap clears the
+    weakrefs; the memo only caches real-to-fake conversions, which this trace never asks for.
+    """
+    memo = mode.fake_tensor_converter.tensor_memo
+    swap = torch.utils.swap_tensors
+
+    def forget(*tensors: torch.Tensor) -> None:  # a function, so no loop variable keeps a ref alive
+        for key in [k for k, v in memo.items() if any(v is x for x in tensors)]:
+            del memo[key]
+
+    def swap_fake(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        forget(t1, t2)
+        swap(t1, t2)
+
+    torch.utils.swap_tensors = swap_fake
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap
+
+
+@contextlib.contextmanager
+def _real_optimizer_defaults() -> Iterator[None]:
+    """Let torch's optimizers pick the default implementation they pick for real tensors.
+
+    With foreach/fused unset, torch.optim chooses foreach on CUDA (temporaries for a whole
+    parameter group at once) only if every parameter's exact type is listed in
+    _foreach_supported_types; a FakeTensor is not, so a fake CUDA step would take the for-loop path
+    the real one does not. DTensor registers itself in this list the same way (torch.distributed.
+    tensor); FakeTensor is added for the trace and removed after.
+    """
+    from torch.optim import optimizer as torch_optim
+
+    types = torch_optim._foreach_supported_types
+    added = FakeTensor not in types
+    if added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        if added:
+            types.remove(FakeTensor)
+
+
+class _ValueReads(TorchDispatchMode):
+    """Answers a read of a fake tensor's value (`.item()`, `.tolist()`) with 1.0.
+
+    Some optimizers compute numbers from values: torch's Adafactor its step size from the
+    parameter's RMS and its clipping from the update's (param.norm().item(), update.norm().item()),
+    bitsandbytes its 8-bit quantisation map from torch.linspace(...).tolist(). Those numbers scale
+    updates and never size a tensor, so any value gives the same memory. Values a fake tensor does
+    know (constants such as Adafactor's step count) are returned as they are.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            try:
+                return func(*args, **(kwargs or {}))
+            except DataDependentOutputException:
+                return 1.0
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,186 @@
+"""predict=trace: the real training step on fake tensors. On the CPU it must reproduce a real
+traced step byte for byte; options it cannot follow raise Untraceable; it leaves nothing behind."""
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.fsdp._fully_shard import _fully_shard
+from torch.optim import optimizer as torch_optim
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from ablate import measure
+from ablate.build import build_model, build_optimizer, check_config, gpt_config
+from ablate.model import GPT
+from ablate.predict.trace import Untraceable, trace
+from ablate.train import train_step
+from tests.helpers import compose_config, results_under, run_cli
+
+# Small enough to trace and run in about a second, big enough that activations (batch 8 x 64
+# tokens through 6 blocks) rival the AdamW states, so both the backward and the step can peak.
+SMALL = ["model=gpt-mini", "model.vocab_size=512", "batch_size=8", "seq_len=64", "device=cpu"]
+XL_PARAMS = 1_557_611_200  # gpt2-xl, the tied lm_head counted once
+
+
+def real_step(cfg: dict) -> measure.Trace:
+    """What a worker measures on the CPU: build for real, one step, then the traced second step."""
+    t = check_config(cfg, "cpu")
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = build_model(cfg["model"], t, device)
+    optimizer = build_optimizer(model, t)
+    scaler = t.precision.grad_scaler("cpu")
+    B, T, V = cfg["batch_size"], cfg["seq_len"], cfg["model"]["vocab_size"]
+
+    def step() -> torch.Tensor:
+        batch = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+        return train_step(model, optimizer, scaler, t, batch, device)
+
+    step()
+    return measure.traced_step(step, model, optimizer, device)
+
+
+def meta_model(overrides: list[str]) -> GPT:
+    """The config's model on the meta device: shapes only."""
+    with torch.device("meta"):
+        return GPT(gpt_config(compose_config(overrides)["model"]))
+
+
+def n_params(overrides: list[str]) -> int:
+    return meta_model(overrides).num_params()  # the tied lm_head counted once
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optimizer=adamw"],
+    ["optimizer=sgd", "checkpoint=block"],
+    ["optimizer=adafactor", "accumulation=x4"],
+    ["optimizer=adamw_foreach", "precision=bf16_pure", "precision.init_on_device=true"],
+    ["precision=bf16", "checkpoint=ops", "optimizer.in_backward=true"],
+    ["optimizer=adamw8bit", "checkpoint=mlp"],
+], ids=lambda o: ",".join(o))
+def test_trace_is_the_real_cpu_step_byte_for_byte(overrides):
+    if "optimizer=adamw8bit" in overrides:
+        pytest.importorskip("bitsandbytes")
+    cfg = compose_config([*SMALL, *overrides])
+    predicted, real = trace(cfg), real_step(cfg)
+    # Fake tensors have the real shapes, dtypes and aliasing, so MemTracker sees the same
+    # allocations in the same order: equal, not close (the same byte counts / 2**20).
+    assert predicted.category_max_mib == real.category_max
+    assert predicted.breakdown_mib == real.at_peak
+    assert predicted.peak_mib == real.peak_mib
+    assert predicted.method == "trace"
+
+
+@pytest.fixture(scope="module")
+def single():
+    return trace(compose_config(SMALL))
+
+
+def test_ddp_rank_is_a_single_process_plus_one_gradient_copy_of_buckets(single):
+    ddp = trace(compose_config([*SMALL, "parallel=ddp", "parallel.nproc=2"]))
+    buckets = n_params(SMALL) * 4 / 2**20  # fp32 gradients, every parameter in some bucket
+    assert ddp.peak_mib == pytest.approx(single.peak_mib + buckets, rel=1e-12)
+    assert ddp.breakdown_mib["other"] == pytest.approx(single.breakdown_mib["other"] + buckets, rel=1e-12)
+    assert {k: v for k, v in ddp.category_max_mib.items() if k != "other"} == \
+        {k: v for k, v in single.category_max_mib.items() if k != "other"}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp_rank_holds_a_shard_of_the_states(single, nproc):
+    fsdp = trace(compose_config([*SMALL, "parallel=fsdp", f"parallel.nproc={nproc}"]))
+    # gpt-mini's dim-0 sizes all divide by 4, so every AdamW state tensor (and the step's
+    # temporaries) is exactly 1/nproc of the single process's; only the 0-d fp32 step counters
+    # (one per parameter tensor, on the host device) are whole on every rank.
+    steps = len(list(meta_model(SMALL).parameters())) * 4 / 2**20
+    assert fsdp.category_max_mib["optimizer"] == \
+        pytest.approx((single.category_max_mib["optimizer"] - steps) / nproc + steps, rel=1e-12)
+    assert fsdp.category_max_mib["grads"] < single.category_max_mib["grads"] / nproc * 1.5
+    # Parameters: the resident shard plus the block being all-gathered and the root's
+    # unsharded embeddings, so more than 1/nproc but well under the whole model.
+    assert single.category_max_mib["params"] / nproc < fsdp.category_max_mib["params"] \
+        < single.category_max_mib["params"]
+    assert fsdp.peak_mib < single.peak_mib
+    assert not dist.is_initialized()  # the fake process group is gone
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["parallel=fsdp1", "parallel.nproc=2"], "parallel=fsdp1"),
+    (["parallel=fsdp", "parallel.nproc=auto"], "parallel.nproc=auto"),
+    (["offload=optimizer", "device=cuda"], "offload=optimizer"),
+])
+def test_untraceable_options_are_named(overrides, named):
+    with pytest.raises(Untraceable, match=f"^{named}: "):
+        trace(compose_config([*SMALL, *overrides]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_a_cuda_trace_without_a_visible_gpu_is_untraceable_not_wrong(device):
+    # Without a GPU torch turns CUDA autocast off and picks the math SDPA kernel (on a CPU-only
+    # build autograd on fake CUDA tensors even aborts the process): refuse instead.
+    with pytest.raises(Untraceable, match=f"^device={device}: .*visible GPU"):
+        trace(compose_config([*SMALL, f"device={device}"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a visible GPU")
+def test_a_cuda_trace_allocates_nothing_and_counts_fp32_params_exactly():
+    before = torch.cuda.memory_allocated()
+    p = trace(compose_config(["model=gpt-nano", "batch_size=4", "seq_len=32", "device=cuda"]))
+    assert p.category_max_mib["params"] * 2**20 == n_params(["model=gpt-nano"]) * 4
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_trace_leaves_no_global_state_behind_even_when_it_fails():
+    torch.manual_seed(1234)
+    rng, swap, mesh = torch.get_rng_state(), torch.utils.swap_tensors, _fully_shard._init_default_mesh
+    trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
+    # n_embd 192 over 5 heads fails inside the fake mode, the fake process group and the patches.
+    with pytest.raises(AssertionError, match="divisible"):
+        trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2", "model.n_head=5"]))
+    assert torch.equal(torch.get_rng_state(), rng)  # fake random ops draw nothing
+    assert torch.utils.swap_tensors is swap and _fully_shard._init_default_mesh is mesh
+    assert FakeTensor not in torch_optim._foreach_supported_types
+    assert not _get_current_dispatch_mode_stack()  # FakeTensorMode, MemTracker, _ValueReads all exited
+    assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_gpt2_xl_traces_in_minutes_without_allocating_it():
+    cfg = compose_config(["model=gpt2-xl", "batch_size=1", "seq_len=1024", "device=cpu"])
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
+    start = time.perf_counter()
+    p = trace(cfg)
+    seconds = time.perf_counter() - start
+    assert seconds < 300  # 25-50 s on 2 cores, most of it MemTracker's per-module bookkeeping
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss < 1024  # the params alone are 5.8 GiB
+    assert p.category_max_mib["params"] * 2**20 == XL_PARAMS * 4
+    assert p.breakdown_mib["optimizer"] == pytest.approx(2 * p.breakdown_mib["params"], abs=0.01)  # AdamW
+    # At batch 1 the peak is the end of backward: params, AdamW's two states and the gradients
+    # (16 bytes/param, 23,767 MiB) plus the tied wte gradient's (V, C) buffers (307 MiB each).
+    # Measured: 24,381 MiB.
+    state = XL_PARAMS * 16 / 2**20
+    assert state < p.peak_mib < state + 1024
+
+
+@pytest.mark.slow
+def test_job_prediction_equals_what_the_run_then_measures(tmp_path):
+    """predict=trace inside the real job, then the real run on 1 or 2 gloo ranks: on the CPU the
+    worker's peak_allocated_mib is its traced step's peak, which the prediction must equal."""
+    proc = run_cli(["-m", "parallel=single,ddp,fsdp", "predict=trace", "batch_size=8",
+                    f"hydra.sweep.dir={tmp_path}/s"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["choices"]["parallel"]: r for r in results_under(tmp_path / "s")}
+    assert sorted(rows) == ["ddp", "fsdp", "single"]
+    for name, r in rows.items():
+        assert r["status"] == "ok", r["reason"]
+        assert r["prediction"]["method"] == "trace"
+        assert r["prediction"]["peak_mib"] == pytest.approx(r["metrics"]["peak_allocated_mib"], rel=1e-12), name
+    # DDP's second step rebuilds its buckets in forward, so the run labels them activations; the
+    # prediction labels them other (allocated at wrap time, as from the third step on).
+    for name in ("single", "fsdp"):
+        assert rows[name]["prediction"]["breakdown_mib"] == rows[name]["metrics"]["breakdown_mib"]
