@@ -24,43 +24,14 @@ import torch
 from ablate.build import Techniques, gpt_config
 from ablate.model import GPT
 from ablate.predict import Prediction
+from ablate.predict.timeline import Timeline, Unmodelled
 from ablate.techniques import checkpoint as ckpt
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
 from ablate.techniques.offload import Activations, OptimizerState, Params
 
 MIB = 2**20
-KEYS = ("params", "grads", "optimizer", "activations", "other")
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DDP_BUCKET_NOTE = "DDP copies every gradient into its flat all-reduce buckets (gradient_as_bucket_view=False)"
-
-
-class Unmodelled(Exception):
-    """An option this model has no sizes for (a new option must add its memory model here)."""
-
-
-class Timeline:
-    """Live bytes per category over one step; keeps the peak total, the breakdown at it and
-    each category's own maximum."""
-
-    def __init__(self):
-        self.now = dict.fromkeys(KEYS, 0.0)
-        self.peak, self.at_peak, self.max = 0.0, dict(self.now), dict(self.now)
-
-    def alloc(self, kind: str, nbytes: float) -> None:
-        self.now[kind] += nbytes
-        self.max[kind] = max(self.max[kind], self.now[kind])
-        total = sum(self.now.values())
-        if total > self.peak:
-            self.peak, self.at_peak = total, dict(self.now)
-
-    def free(self, kind: str, nbytes: float) -> None:
-        self.now[kind] -= nbytes
-
-    def transient(self, kind: str, nbytes: float) -> None:
-        """Allocated and freed again before anything else happens."""
-        self.alloc(kind, nbytes)
-        self.free(kind, nbytes)
 
 
 @dataclass
@@ -223,7 +194,7 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> _Bytes:
         unsharded_block=block * gather_d if sharded or offloaded else 0.0,
         unsharded_root=root * gather_d if sharded or offloaded else 0.0,
         keep_unsharded=sharded and not reshard,
-        other=total * pd if ddp else 0.0,  # see DDP_BUCKET_NOTE
+        other=total * pd if ddp else 0.0,  # DDP's flat buckets copy every gradient (no bucket views)
     )
 
 
