@@ -207,7 +207,9 @@ def run_point(cfg: DictConfig) -> dict:
     found = results.Index(point.config["out_dir"]).terminal(point.run_id) if point.config["skip_existing"] else None
     if found:
         path, result = found
-        if path != result_path.resolve():  # this sweep's directory gets the earlier result too
+        if path != result_path.resolve():  # this sweep's directory gets the earlier result too,
+            # placed at this sweep's rung (a run key outside run_id: the same point in another ladder)
+            result = {**result, "config": {**result["config"], "rung": point.config["rung"]}}
             results.write_json(result_path, result)
         progress.done(result, str(path), skipped=True)
         return result

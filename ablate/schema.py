@@ -16,7 +16,8 @@ from omegaconf import MISSING
 GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel")
 
 # Keys that change where or whether a point runs, never what it measures: left out of run_id.
-NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir", "predict", "predict_only", "prune", "prune_margin")
+NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir", "predict", "predict_only", "prune", "prune_margin",
+                     "rung")
 
 
 class Device(str, Enum):
@@ -74,6 +75,7 @@ class Config:
     prune: bool = False  # record points predicted not to fit as oom ("predicted: ...") without running them
     prune_margin: float = 0.1  # prune only above capacity x (1 + margin): the prediction may be high
     find_batch: bool = False  # search the largest micro-batch that fits (accumulation keeps batch_size)
+    rung: Optional[int] = None  # position in a ladder (hydra/sweeper=ladder sets it); the report orders by it
 
 
 def register() -> None:

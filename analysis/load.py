@@ -11,7 +11,7 @@ from ablate.results import RESULT_FILE, SCHEMA
 from ablate.schema import GROUPS
 
 # Top-level run keys that can differ between runs and so may label a row.
-RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "seed", "device")
+RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "seed", "device", "compile", "gpu_memory_gib")
 
 
 def result_files(paths: list[str | Path]) -> list[Path]:
@@ -29,6 +29,9 @@ def _row(result: dict, path: Path) -> dict:
     config = result.get("config") or {}
     row.update({k: config.get(k) for k in RUN_KEYS})
     row["accumulation_steps"] = (config.get("accumulation") or {}).get("steps")
+    row["rung"] = config.get("rung")
+    for group in GROUPS:  # every option key as "group.key" (strings: they are labels, and mixed types sort)
+        row.update({f"{group}.{k}": _text(v) for k, v in (config.get(group) or {}).items() if k != "_target_"})
     row.update({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))})
     row["losses"] = metrics.get("losses") or None  # per-step list, for loss curves
     prediction = result.get("prediction") or {}
@@ -38,6 +41,11 @@ def _row(result: dict, path: Path) -> dict:
     row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})
     row["finished_at"] = (result.get("timing") or {}).get("finished_at")
     return row
+
+
+def _text(value) -> str:
+    """An option's value as a label: lists joined by commas ("layernorm,gelu")."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def load(paths: list[str | Path]) -> pd.DataFrame:

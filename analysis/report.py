@@ -79,14 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(tables.varied(df))})", file=sys.stderr)
         return 2
-    df = df.sort_values(labels, kind="stable").reset_index(drop=True)
+    df = df.sort_values(labels, kind="stable")
+    if df["rung"].notna().any():  # an experiment's rungs (hydra/sweeper=ladder) in the order it lists them
+        df = df.sort_values("rung", kind="stable")
+    df = df.reset_index(drop=True)
     try:
         base_i = tables.baseline_index(df, labels, _parse_baseline(args.baseline))
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if args.ladder:  # a ladder keeps the order its runs were made in
-        df = df.sort_values("finished_at", kind="stable").reset_index(drop=True)
+    if args.ladder:  # a ladder's rows in rung order (above), else in the order they ran
+        if df["rung"].isna().all():
+            df = df.sort_values("finished_at", kind="stable").reset_index(drop=True)
         base_i = df.index[0]
     out = Path(args.out) if args.out else Path(args.paths[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)

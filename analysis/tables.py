@@ -23,6 +23,10 @@ NAMES = {
     ("precision", "bf16"): "bf16 AMP", ("precision", "bf16_pure"): "Pure bf16",
     ("offload", "activations"): "Activation offload", ("offload", "optimizer"): "Optimizer offload",
     ("offload", "params"): "Parameter offload",
+    # option keys ("group.key") a preset varies on their own
+    ("optimizer.in_backward", "True"): "Optimizer step in backward",
+    ("parallel.backward_prefetch", "pre"): "Backward prefetch (pre)",
+    ("parallel.backward_prefetch", "post"): "Backward prefetch (post)",
 }
 MEMORY = "peak_allocated_mib"
 FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
@@ -32,8 +36,11 @@ FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak 
 
 
 def varied(df: pd.DataFrame) -> list[str]:
-    """Group, run-key and GPU columns whose value differs between rows (at least `model`)."""
+    """Group, run-key and GPU columns whose value differs between rows (at least `model`), and the
+    option keys ("parallel.backward_prefetch") that differ between runs of the same option."""
     cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and df[c].astype(str).nunique() > 1]
+    keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c]
+    cols += [c for c in keys if (df.groupby(c.split(".")[0], dropna=False)[c].nunique() > 1).any()]
     return cols or ["model"]
 
 
@@ -87,8 +94,13 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
             steps = int(row.get("accumulation_steps") or 1)
             parts.append(f"Gradient accumulation ({row['batch_size'] // steps} × {steps} = {row['batch_size']})")
         elif col == "parallel":
-            parts.append(f"{str(row[col]).upper()} ({int(row.get('env_world_size') or 0)} processes)")
-        elif col in GROUPS:
+            world = row.get("env_world_size")
+            world = world if pd.notna(world) else row.get("parallel.nproc")  # an invalid row never ran
+            parts.append(f"{str(row[col]).upper()} ({int(float(world))} processes)" if _number(world)
+                         else str(row[col]).upper())
+        elif col == "checkpoint.types" and parts and parts[-1] == NAMES[("checkpoint", "layers")]:
+            parts[-1] += f" ({row[col].replace(',', ', ')})"  # "Layer-type recompute (layernorm, gelu)"
+        elif col in GROUPS or "." in col:
             parts.append(NAMES.get((col, row[col]), f"{col}={row[col]}"))
         else:
             parts.append(f"{col.replace('_', ' ')} = {row[col]}")
@@ -155,7 +167,7 @@ FULL = (
 def full(df: pd.DataFrame, labels: list[str], base_i: int) -> pd.DataFrame:
     """Every varied column and every key metric; failures keep their row with status and reason."""
     base = df.loc[base_i]
-    out = df[labels].astype(str).copy()
+    out = df[labels].fillna("").astype(str)  # an option key the row's option does not have: empty
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
         values = df[column] if column in df else pd.Series(float("nan"), index=df.index)
@@ -196,6 +208,13 @@ def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
                          "Δ iteration time (median)": _signed(med.iloc[1]), "Δ final loss (median)": _signed(med.iloc[2]),
                          "Pairs": str(len(pairs)), "Not ok": str(failed_runs)})
     return pd.DataFrame(rows)
+
+
+def _number(value) -> bool:
+    try:
+        return not math.isnan(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _pct(value, base) -> float:

@@ -1,0 +1,78 @@
+"""The ladder sweeper: an ordered list of override sets ("rungs"), not a Cartesian grid.
+
+Published memory studies are ladders: "baseline; + gradient accumulation; + block recompute; +
+for-loop AdamW", each rung keeping everything above it. Hydra's basic sweeper can only multiply
+lists, so `hydra/sweeper=ladder` (conf/hydra/sweeper/ladder.yaml) adds one list of rungs:
+
+    hydra:
+      sweeper:
+        cumulative: true            # false: every rung is applied to the base config on its own
+        rungs:
+          - {batch_size: 32}
+          - {accumulation: x4}      # + accumulation, still batch 32
+          - {checkpoint: block}     # + accumulation + block recompute
+          - {batch_size: "8,16,32"} # a rung may sweep: one point per value, in this order
+
+A rung is a mapping of override key -> value, the same syntax as `hydra.sweeper.params`. The
+command line (and `params`) still forms a grid, and every point of that grid runs the whole
+ladder; where the command line and a rung set the same key, the command line wins. Each job gets
+`rung=<index>` (a run key left out of run_id), which the report's `--ladder` orders rows by.
+Lives in `hydra_plugins.ablate_launcher` because Hydra takes sweeper classes from that namespace only.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+
+def _override_value(value: Any) -> str:
+    """A YAML value as Hydra's override grammar writes it: [a,b] for lists, true/false for bools."""
+    if isinstance(value, (list, ListConfig)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _by_key(overrides: List[str]) -> dict:
+    """key -> "key=value" for the sweeper's expanded overrides (keys never contain '=')."""
+    return {text.split("=", 1)[0]: text for text in overrides}
+
+
+class LadderSweeper(BasicSweeper):
+    def __init__(self, rungs: Optional[List[Any]] = None, cumulative: bool = True,
+                 max_batch_size: Optional[int] = None, params: Optional[dict] = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, params=params)
+        rungs = OmegaConf.to_container(rungs) if isinstance(rungs, (DictConfig, ListConfig)) else rungs
+        if not rungs:
+            raise ValueError("hydra/sweeper=ladder needs hydra.sweeper.rungs: a list of {key: value} mappings")
+        for i, rung in enumerate(rungs):
+            if not isinstance(rung, dict):
+                raise ValueError(f"hydra.sweeper.rungs[{i}] = {rung!r}: each rung is a mapping of key: value")
+        self.rungs = [{str(k): _override_value(v) for k, v in rung.items()} for rung in rungs]
+        self.cumulative = cumulative
+
+    def settings(self) -> Iterator[dict]:
+        """Each rung's overrides (key -> value): with everything above it when cumulative."""
+        above: dict = {}
+        for rung in self.rungs:
+            above = {**above, **rung} if self.cumulative else rung
+            yield above
+
+    def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
+        """BasicSweeper.sweep's one hook: the grid of `overrides`, each point run through every rung."""
+        assert self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        grid = BasicSweeper.split_arguments(overrides, None)[0]
+        jobs = []
+        for point in grid:
+            for index, setting in enumerate(self.settings()):
+                rung = parser.parse_overrides([f"{k}={v}" for k, v in setting.items()])
+                for combo in BasicSweeper.split_arguments(rung, None)[0]:
+                    merged = {**_by_key(combo), **_by_key(point)}  # the command line wins
+                    jobs.append([*merged.values(), f"rung={index}"])
+        return list(self.split_overrides_to_chunks(jobs, max_batch_size))
