@@ -72,6 +72,7 @@ def test_trace_is_the_real_cpu_step_byte_for_byte(overrides):
     assert predicted.category_max_mib == real.category_max
     assert predicted.breakdown_mib == real.at_peak
     assert predicted.peak_mib == real.peak_mib
+    assert predicted.steady_mib == real.after
     assert predicted.method == "trace"
 
 
@@ -135,18 +136,52 @@ def test_a_cuda_trace_allocates_nothing_and_counts_fp32_params_exactly():
     assert torch.cuda.memory_allocated() == before
 
 
-def test_trace_leaves_no_global_state_behind_even_when_it_fails():
+def global_state() -> dict:
+    """Everything trace() patches or registers process-wide, as comparable values."""
+    from torch.nn.modules import module
+    from torch.optim import optimizer
+
+    return {"rng": torch.get_rng_state(), "swap": torch.utils.swap_tensors,
+            "mesh": _fully_shard._init_default_mesh, "foreach": list(torch_optim._foreach_supported_types),
+            "modes": list(_get_current_dispatch_mode_stack()), "dist": dist.is_initialized(),
+            "module_hooks": [len(h) for h in (module._global_forward_pre_hooks, module._global_forward_hooks,
+                                              module._global_backward_pre_hooks, module._global_backward_hooks)],
+            "optimizer_hooks": [len(optimizer._global_optimizer_pre_hooks),
+                                len(optimizer._global_optimizer_post_hooks)]}
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    assert torch.equal(after["rng"], before["rng"])  # fake random ops draw nothing
+    assert {k: v for k, v in after.items() if k != "rng"} == {k: v for k, v in before.items() if k != "rng"}
+
+
+def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
     torch.manual_seed(1234)
-    rng, swap, mesh = torch.get_rng_state(), torch.utils.swap_tensors, _fully_shard._init_default_mesh
+    before = global_state()
     trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
-    # n_embd 192 over 5 heads fails inside the fake mode, the fake process group and the patches.
+    trace(compose_config([*SMALL, "optimizer=adafactor"]))  # with _ValueReads
+    assert_same_state(before, global_state())
+    # n_embd 192 over 5 heads fails while the model is built: inside the fake mode, the fake
+    # process group and the patches.
     with pytest.raises(AssertionError, match="divisible"):
         trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2", "model.n_head=5"]))
-    assert torch.equal(torch.get_rng_state(), rng)  # fake random ops draw nothing
-    assert torch.utils.swap_tensors is swap and _fully_shard._init_default_mesh is mesh
+    assert_same_state(before, global_state())
+
+    # A step failing while traced: MemTracker and its hooks are active too.
+    calls = []
+
+    def second_step_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return train_step(*args)
+
+    monkeypatch.setattr("ablate.predict.trace.train_step", second_step_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
+    assert len(calls) == 2
+    assert_same_state(before, global_state())
     assert FakeTensor not in torch_optim._foreach_supported_types
-    assert not _get_current_dispatch_mode_stack()  # FakeTensorMode, MemTracker, _ValueReads all exited
-    assert not dist.is_initialized()
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ breakdown with, so a prediction on the CPU equals the real CPU step's figures.
 
 Where a fake tensor cannot stand in for a real one, the glue below says why and works around it
 as narrowly as it can; options it cannot make work raise `Untraceable`, and the caller falls back
-to the analytic model. Everything set up here is undone on the way out.
+to the analytic model. Everything set up here is undone on the way out, on success or failure.
 """
 from __future__ import annotations
 
@@ -17,27 +17,15 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    FakeTensor,
-    FakeTensorMode,
-)
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ablate import measure
-from ablate.build import (
-    Techniques,
-    build_model,
-    build_optimizer,
-    check_config,
-    gpt_config,
-)
-from ablate.model import GPT
+from ablate.build import Techniques, build_model, build_optimizer, check_config
 from ablate.predict import Prediction
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
 from ablate.techniques.offload import OptimizerState
-from ablate.techniques.precision import DTYPES
 from ablate.train import train_step
 
 
@@ -55,10 +43,7 @@ def trace(config: dict) -> Prediction:
     ddp = isinstance(t.parallel, par.DDP)
     if ddp:  # a DDP rank computes what a single process does; its gradient buckets are added below
         t.parallel = par.Single()
-    # Optimizers that read tensor values (see _ValueReads) get them answered; no one else does,
-    # so any other data-dependent read still fails loudly.
-    reads = _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit)) else contextlib.nullcontext()
-    with _fake_world(t.parallel), FakeTensorMode() as mode, _real_optimizer_defaults(), reads:
+    with _fake_world(t.parallel), FakeTensorMode() as mode, _real_optimizer_defaults(), _value_reads(t):
         with _swappable_params(mode):
             # compile=true is traced eager: compiled kernels cannot run on fake tensors. Inductor's
             # fusions usually keep fewer activations, so this tends to over-predict such runs.
@@ -73,13 +58,10 @@ def trace(config: dict) -> Prediction:
 
         step()  # creates the optimizer states, as a real run's warm-up does
         traced = measure.traced_step(step, model, optimizer, device)
-    at_peak, category_max, peak = traced.at_peak, traced.category_max, traced.peak_mib
-    if ddp:
-        buckets = _ddp_bucket_mib(config, t)
-        at_peak = {**at_peak, "other": at_peak["other"] + buckets}
-        category_max = {**category_max, "other": category_max["other"] + buckets}
-        peak += buckets
-    return Prediction(peak_mib=peak, breakdown_mib=at_peak, category_max_mib=category_max, method="trace")
+        buckets = _ddp_bucket_mib(model) if ddp else 0.0
+    return Prediction(peak_mib=traced.peak_mib + buckets, breakdown_mib=_plus_other(traced.at_peak, buckets),
+                      category_max_mib=_plus_other(traced.category_max, buckets), method="trace",
+                      steady_mib=_plus_other(traced.after, buckets))
 
 
 def _device(requested: str) -> torch.device:
@@ -103,9 +85,10 @@ def _device(requested: str) -> torch.device:
 
 def _check_traceable(t: Techniques) -> None:
     """Raise Untraceable for an option whose step cannot run, or be followed, on fake tensors."""
-    if isinstance(t.parallel, par.FSDP1):
-        raise Untraceable("parallel=fsdp1: MemTracker cannot follow FSDP1's flat parameters")
-    if isinstance(t.parallel, par._Distributed) and t.parallel.world_size < 1:
+    if not t.parallel.traceable:  # the same flag decides whether a real run traces its breakdown
+        raise Untraceable(f"parallel={type(t.parallel).__name__.lower()}: MemTracker cannot follow "
+                          f"this wrapper's parameters")
+    if t.parallel.world_size < 1:
         raise Untraceable("parallel.nproc=auto: resolve the world size before tracing one rank of it")
     if isinstance(t.offload, OptimizerState):
         raise Untraceable("offload=optimizer: torchao's CPUOffloadOptimizer moves gradients with real "
@@ -119,14 +102,18 @@ def _fake_batch(config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
 
 
-def _ddp_bucket_mib(config: dict, t: Techniques) -> float:
+def _ddp_bucket_mib(model: torch.nn.Module) -> float:
     """DDP's gradient buckets (MiB): the reducer gives every bucket a flat gradient tensor, and the
-    buckets cover every parameter (torch/csrc/distributed/c10d/reducer.cpp, initialize_buckets;
-    gradient_as_bucket_view=False), so a DDP rank holds one more gradient-sized copy for good.
-    A real 2-rank gloo run's traced peak is exactly the single-process peak plus this."""
-    with torch.device("meta"):  # sizes only
-        n = GPT(gpt_config(config["model"])).num_params()
-    return n * DTYPES[t.precision.param_dtype].itemsize / measure.MIB
+    buckets cover every trained parameter in its own dtype (torch/csrc/distributed/c10d/reducer.cpp,
+    initialize_buckets; gradient_as_bucket_view=False), so a DDP rank holds one more gradient-sized
+    copy for good, allocated when the model is wrapped. A real 2-rank gloo run's traced peak is
+    exactly the single-process peak plus this."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / measure.MIB
+
+
+def _plus_other(breakdown: dict, mib: float) -> dict:
+    """`breakdown` (MiB by category) with `mib` more in "other"."""
+    return {**breakdown, "other": breakdown["other"] + mib}
 
 
 @contextlib.contextmanager
@@ -136,12 +123,12 @@ def _fake_world(parallel) -> Iterator[None]:
     if not parallel.shards_params:
         yield
         return
-    # torch's fake process group: importing fake_pg registers the "fake" backend.
     from torch.distributed.fsdp._fully_shard import _fully_shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    if dist.is_initialized():
-        raise Untraceable(f"parallel={type(parallel).__name__.lower()}: this process already has a process group")
+    if dist.is_initialized():  # a worker's real group: sharding over a fake one would replace it
+        raise Untraceable(f"parallel={type(parallel).__name__.lower()}: this process already has a "
+                          f"process group; trace in a process without one")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=parallel.world_size)
     default_mesh = _fully_shard._init_default_mesh
     try:
@@ -159,23 +146,21 @@ def _fake_world(parallel) -> Iterator[None]:
 def _swappable_params(mode: FakeTensorMode) -> Iterator[None]:
     """Let Module.to() convert fake parameters (a torch bug: test_fake_tensor.py::test_module_to).
 
-    Module._apply replaces a fake parameter with torch.utils.swap_tensors, which refuses tensors
-    that have weakrefs, and FakeTensorMode memoises every fake tensor it makes in a
-    WeakValueDictionary. Dropping the two tensors from that memo just before the swap clears the
-    weakrefs; the memo only caches real-to-fake conversions, which this trace never asks for.
+    Module._apply replaces a fake parameter with torch.utils.swap_tensors, which refuses a tensor
+    that has weakrefs; nn.Parameter(fake) goes through FakeTensorMode's real-to-fake converter,
+    whose memo (a WeakValueDictionary) holds a weakref to every parameter made. Dropping the two
+    tensors from the memo just before the swap clears those weakrefs; the memo is only a cache
+    (a later conversion of the same tensor would make a new fake), so nothing else changes.
     """
     memo = mode.fake_tensor_converter.tensor_memo
     swap = torch.utils.swap_tensors
 
-    def forget(*tensors: torch.Tensor) -> None:  # a function, so no loop variable keeps a ref alive
-        for key in [k for k, v in memo.items() if any(v is x for x in tensors)]:
-            del memo[key]
-
     def swap_fake(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        forget(t1, t2)
+        for key in [k for k, v in memo.items() if v is t1 or v is t2]:
+            del memo[key]
         swap(t1, t2)
 
-    torch.utils.swap_tensors = swap_fake
+    torch.utils.swap_tensors = swap_fake  # Module._apply looks it up at call time
     try:
         yield
     finally:
@@ -205,6 +190,12 @@ def _real_optimizer_defaults() -> Iterator[None]:
             types.remove(FakeTensor)
 
 
+def _value_reads(t: Techniques) -> contextlib.AbstractContextManager:
+    """_ValueReads for the optimizers known to read values (Adafactor, 8-bit AdamW), nothing for
+    the others: any other data-dependent read is a new case to look at, so it still fails loudly."""
+    return _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit)) else contextlib.nullcontext()
+
+
 class _ValueReads(TorchDispatchMode):
     """Answers a read of a fake tensor's value (`.item()`, `.tolist()`) with 1.0.
 
@@ -216,9 +207,10 @@ class _ValueReads(TorchDispatchMode):
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            try:
-                return func(*args, **(kwargs or {}))
-            except DataDependentOutputException:
-                return 1.0
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten._local_scalar_dense.default:
+            return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except DataDependentOutputException:
+            return 1.0
