@@ -6,12 +6,13 @@ class's __init__ arguments (ablate/techniques/); instantiating them checks those
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel")
 
@@ -78,5 +79,16 @@ class Config:
     rung: Optional[int] = None  # position in a ladder (hydra/sweeper=ladder sets it); the report orders by it
 
 
+def short_dirname(name: str, limit: int = 200) -> str:
+    """A sweep point's directory name within the file system's 255-byte limit: a long override list
+    (a ladder's later rungs) keeps its first characters plus a hash of the whole, so that two
+    points never share a directory."""
+    if len(name.encode()) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return name.encode()[:limit - 12].decode(errors="ignore") + ",~" + digest
+
+
 def register() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
+    OmegaConf.register_new_resolver("short_dirname", short_dirname, replace=True)  # conf/config.yaml

@@ -81,7 +81,7 @@ def test_invalid_combination_names_the_keys():
 
 def test_hydra_writes_sweeps_under_outputs_not_multirun():
     cfg = (CONF / "config.yaml").read_text()
-    assert "${out_dir}/sweeps/" in cfg and "${hydra.job.override_dirname}" in cfg
+    assert "${out_dir}/sweeps/" in cfg and "${short_dirname:${hydra.job.override_dirname}}" in cfg
     assert "${out_dir}/runs/" in cfg and "name: ablate" in cfg
 
 
@@ -99,3 +99,12 @@ def test_train_loop_names_no_technique():
     assert options and classes
     assert not strings & options, "train.py compares against option names"
     assert not names & classes, "train.py refers to technique classes"
+
+
+def test_long_sweep_directory_names_are_shortened_but_stay_distinct():
+    from ablate.schema import short_dirname
+
+    assert short_dirname("optimizer=sgd") == "optimizer=sgd"
+    long_a, long_b = "x" * 300 + ",seed=1", "x" * 300 + ",seed=2"
+    assert len(short_dirname(long_a).encode()) <= 200
+    assert short_dirname(long_a) != short_dirname(long_b) and short_dirname(long_a).startswith("x" * 150)

@@ -1,0 +1,133 @@
+"""The experiment presets (conf/experiment/): each composes, plans at full size without a GPU
+(predict_only), and runs scaled down on a CPU through its benchmark script into a report."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from tests.helpers import CONF, ROOT, results_under, run_cli
+
+# preset -> (model, rungs of its ladder (None: a plain grid), grid points it runs)
+PRESETS = {
+    "gpt2_large_ladder": ("gpt2-large", 7, 7),
+    "gpt2_xl_fsdp_batch_scan": ("gpt2-xl", 3, 14),
+    "single_gpu_techniques": ("gpt2", 11, 11),
+    "layer_recompute": ("gpt-nano", 6, 6),
+    "leanest": ("gpt2-large", 3, 3),
+    "gpt2_throughput": ("gpt2", None, 2),
+}
+# Scaled down for a CPU: a nano GPT, short sequences, a few steps.
+TINY = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "data.eval_samples=8", "seq_len=16",
+        "steps=2", "warmup_steps=2", "device=cpu"]
+
+
+def test_every_preset_is_listed_here():
+    assert sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")) == sorted([*PRESETS, "demo", "batch_scan"])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_composes(preset):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={preset}"], return_hydra_config=True)
+    model, rungs, _ = PRESETS[preset]
+    assert cfg.model.name == model
+    assert (len(cfg.hydra.sweeper.rungs) if "rungs" in cfg.hydra.sweeper else None) == rungs
+
+
+def test_cfg_job_prints_a_preset():
+    out = subprocess.run([sys.executable, "-m", "ablate", "experiment=gpt2_xl_fsdp_batch_scan", "--cfg", "job"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "name: gpt2-xl" in out.stdout and "backward_prefetch: post" in out.stdout
+
+
+def plan(preset: str, tmp_path, *overrides: str) -> list[dict]:
+    """The preset's grid at full size, predicted for one GPU and not run: results in rung order."""
+    out = run_cli(["-m", f"experiment={preset}", "predict_only=true", "device=cuda", "parallel.nproc=1",
+                   f"hydra.sweep.dir={tmp_path}/s", *overrides], tmp_path, fast=False)
+    assert out.returncode == 0, out.stderr
+    runs = results_under(tmp_path / "s")
+    assert {r["status"] for r in runs} == {"predicted"}
+    return sorted(runs, key=lambda r: (r["config"]["rung"] or 0, r["config"]["batch_size"], r["config"]["compile"]))
+
+
+def peaks(runs: list[dict]) -> list[float]:
+    return [r["prediction"]["peak_mib"] for r in runs]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_plans_its_full_size_grid_without_a_gpu(preset, tmp_path):
+    runs = plan(preset, tmp_path)
+    assert len(runs) == PRESETS[preset][2]
+    assert {r["choices"]["model"] for r in runs} == {PRESETS[preset][0]}
+
+
+def test_ladder_rungs_save_what_they_promise(tmp_path):
+    b32, b64, b128, accum, block, forloop, fsdp = peaks(plan("gpt2_large_ladder", tmp_path))
+    assert b32 < b64 < b128  # activations grow with the batch
+    assert accum < b32 * 1.2  # 4 micro-batches of 32: about the batch-32 peak
+    assert block < accum  # recompute keeps one block's activations
+    assert forloop <= block
+
+
+def test_batch_scan_grows_with_the_batch_and_recompute_shrinks_it(tmp_path):
+    runs = plan("gpt2_xl_fsdp_batch_scan", tmp_path)
+    for rung in (0, 1, 2):
+        scan = peaks([r for r in runs if r["config"]["rung"] == rung])
+        assert scan == sorted(scan)
+    at_8 = {r["config"]["rung"]: r["prediction"]["peak_mib"] for r in runs if r["config"]["batch_size"] == 8}
+    assert at_8[1] < at_8[0]
+
+
+def test_leanest_is_a_fraction_of_the_baseline(tmp_path):
+    baseline, lean8bit, lean_adafactor = peaks(plan("leanest", tmp_path))
+    assert lean8bit < baseline / 4 and lean_adafactor < lean8bit
+
+
+def bench(preset: str, tmp_path, *overrides: str) -> str:
+    """Run benchmarks/<preset>.py on the CPU; returns the Markdown it records."""
+    out = subprocess.run([sys.executable, f"benchmarks/{preset}.py", "--results", str(tmp_path / "results"),
+                          "--sweep-dir", str(tmp_path / "sweep"), f"out_dir={tmp_path}", *TINY, *overrides],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = results_under(tmp_path / "sweep")
+    assert len(runs) == PRESETS[preset][2] and {r["status"] for r in runs} == {"ok"}, \
+        [(r["status"], r["reason"]) for r in runs]
+    md = (tmp_path / "results" / "cpu" / f"{preset}.md").read_text()
+    assert md.startswith(f"# {preset} on CPU") and "- commit: `" in md and "torch " in md
+    for image in (tmp_path / "results" / "cpu" / preset).glob("*.png"):
+        assert f"]({preset}/{image.name})" in md  # every plot is linked from the page
+    return md
+
+
+def rows(md: str, heading: str) -> list[str]:
+    """The first cells of the table under `## heading`."""
+    table = md.split(f"## {heading}\n\n", 1)[1].split("\n\n", 1)[0]
+    return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+
+
+def test_ladder_benchmark_on_a_cpu(tmp_path):
+    md = bench("gpt2_large_ladder", tmp_path, "data.train_samples=128", "samples=256")
+    assert rows(md, "Setting (ladder)") == [
+        "Baseline (batch size = 32)", "+ batch size = 64", "+ batch size = 128",
+        "+ Gradient accumulation (32 × 4 = 128)", "+ Block recompute", "+ AdamW for-loop", "+ FSDP (2 processes)"]
+
+
+@pytest.mark.slow
+def test_batch_scan_benchmark_on_a_cpu(tmp_path):
+    md = bench("gpt2_xl_fsdp_batch_scan", tmp_path, "steps=1")
+    titles = [line for line in md.splitlines() if line.startswith("## Batch size scan")]
+    assert len(titles) == 3  # one table per stage: none/post, block/post, block/pre
+    assert rows(md, titles[0][3:]) == ["1", "2", "4", "7", "8", "9"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["single_gpu_techniques", "leanest", "layer_recompute", "gpt2_throughput"])
+def test_preset_benchmark_on_a_cpu(preset, tmp_path):
+    overrides = {"layer_recompute": ["model.n_embd=32", "model.n_layer=2", "model.n_head=4", "batch_size=32",
+                                     "seq_len=20", "samples=96"]}.get(preset, [])
+    md = bench(preset, tmp_path, *overrides)
+    assert "## Setting" in md or "## All runs" in md
