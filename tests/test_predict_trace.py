@@ -184,14 +184,15 @@ def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
     assert FakeTensor not in torch_optim._foreach_supported_types
 
 
-@pytest.mark.slow
-def test_gpt2_xl_traces_in_minutes_without_allocating_it():
+def test_gpt2_xl_traces_in_seconds_without_allocating_it():
     cfg = compose_config(["model=gpt2-xl", "batch_size=1", "seq_len=1024", "device=cpu"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
     start = time.perf_counter()
     p = trace(cfg)
     seconds = time.perf_counter() - start
-    assert seconds < 300  # 25-50 s on 2 cores, most of it MemTracker's per-module bookkeeping
+    # 8-9 s on 2 busy cores, most of it FakeTensorMode's dispatch; 42 s while the tracker kept
+    # torch's per-module peaks (see measure._CategoryTracker), which this bound would catch.
+    assert seconds < 30
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss < 1024  # the params alone are 5.8 GiB
     assert p.category_max_mib["params"] * 2**20 == XL_PARAMS * 4
     assert p.breakdown_mib["optimizer"] == pytest.approx(2 * p.breakdown_mib["params"], abs=0.01)  # AdamW
