@@ -2,6 +2,7 @@
 gradients, low-state optimizers keep less state, weight decay skips vectors, invalid combinations."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -142,6 +143,7 @@ def test_weight_decay_only_on_matrices_and_embeddings(name, in_backward):
     (Adafactor(), {"stochastic_rounding": True}, "stochastic_rounding=true needs optimizer=adamw .*=adafactor"),
     (AdamW8bit(), {"stochastic_rounding": True}, "stochastic_rounding=true needs optimizer=adamw .*=adamw8bit"),
     (AdamW(implementation="fused"), {"stochastic_rounding": True}, "optimizer.implementation=fused must be default"),
+    (Adafactor(), {"sharded": True, "world_size": 2}, "optimizer=adafactor needs whole parameters: parallel=fsdp"),
 ])
 def test_invalid_combinations_name_their_keys(opt, kw, match):
     with pytest.raises(Invalid, match=match):
@@ -158,6 +160,19 @@ def test_valid_combinations_pass_check():
 def test_in_backward_rule_reaches_a_composed_config():
     with pytest.raises(Invalid, match="optimizer.in_backward=true needs accumulation=none"):
         check_config(compose_config(["optimizer.in_backward=true", "accumulation=x4"]), "cpu")
+
+
+@pytest.mark.parametrize("overrides, invalid", [
+    (["parallel=fsdp"], True), (["parallel=fsdp_grad_op"], True), (["parallel=fsdp1"], True),
+    (["parallel=fsdp1", "parallel.sharding=no_shard"], False), (["parallel=ddp"], False),
+], ids=lambda o: ",".join(o) if isinstance(o, list) else None)
+def test_adafactor_rule_reaches_composed_parallel_options(overrides, invalid):
+    # A real 2-rank gloo run of adafactor under parallel=fsdp fails in step() (DTensor rejects
+    # aten.pow_ on a _NormPartial column norm); under fsdp1 its losses leave DDP's at step 2.
+    cfg = compose_config(["optimizer=adafactor", "parallel.nproc=2", *overrides])
+    expect = pytest.raises(Invalid, match="optimizer=adafactor needs whole parameters")
+    with expect if invalid else contextlib.nullcontext():
+        check_config(cfg, "cpu")
 
 
 def test_missing_optional_packages_are_invalid_not_errors(monkeypatch):

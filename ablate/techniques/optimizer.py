@@ -187,6 +187,17 @@ class Adafactor(TorchOptimizer):
         super().__init__(lr, weight_decay, in_backward)
         self.beta2_decay, self.d = beta2_decay, d
 
+    def check(self, plan: Plan) -> None:
+        super().check(plan)
+        # Its factoring needs each matrix whole. FSDP2's DTensor shards fail in step() (the column
+        # variance squares a partial norm in place: aten.pow_ on _NormPartial); FSDP1 hands it flat
+        # 1-D shards, so it runs but keeps an unfactored second moment and takes per-shard RMS:
+        # another optimizer (its losses part from DDP's from the second step).
+        if plan.sharded:
+            raise Invalid("optimizer=adafactor needs whole parameters: parallel=fsdp/fsdp_grad_op (FSDP2) "
+                          "fail on its in-place pow_ of a sharded norm, and parallel=fsdp1 gives it flat "
+                          "1-D shards it cannot factor; use parallel=ddp (or fsdp1 with sharding=no_shard)")
+
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         return torch.optim.Adafactor
 
