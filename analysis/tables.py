@@ -133,10 +133,11 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
 
 def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
     """Batch Size | Memory (MiB) | GPU Usage % | TFLOP/s | Iteration Time (ms), one table per
-    combination of the other varied columns, rows up to and including the first OOM."""
+    combination of the other varied columns (in the order the rows come: a ladder's rung order),
+    rows up to and including the first OOM."""
     others = [c for c in labels if c != "batch_size"]
     tables = {}
-    for key, part in (df.groupby(others, sort=True, dropna=False) if others else [((), df)]):
+    for key, part in (df.groupby(others, sort=False, dropna=False) if others else [((), df)]):
         key = key if isinstance(key, tuple) else (key,)
         title = ", ".join(f"{c}={v}" for c, v in zip(others, key)) or "all runs"
         rows = []
