@@ -198,8 +198,18 @@ class Point:
         return result
 
 
+def warn_unswept(hc: DictConfig) -> None:
+    """An experiment that sweeps (rungs or params) run without -m is one point of it: say so."""
+    from hydra.types import RunMode
+
+    if hc.mode == RunMode.RUN and (hc.sweeper.get("rungs") or hc.sweeper.get("params")):
+        print("note: this config defines a sweep (hydra.sweeper); without -m only its base point runs. "
+              "Add -m to run them all.", file=sys.stderr)
+
+
 def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
+    warn_unswept(hc)
     point = Point.of(cfg, hc, Path(hc.runtime.output_dir))
     result_path = point.run_dir / results.RESULT_FILE
     progress = Progress(point.label)

@@ -80,3 +80,10 @@ def test_a_point_reused_from_another_sweep_takes_this_ladders_rung(tmp_path):
     (original,) = results_under(tmp_path / "a")
     assert reused["run_id"] == original["run_id"] and reused["timing"] == original["timing"]  # not run again
     assert (original["config"]["rung"], reused["config"]["rung"]) == (0, 1)
+
+
+def test_a_ladder_run_without_multirun_says_only_its_base_point_ran(tmp_path):
+    out = run_cli(["experiment=layer_recompute", "predict_only=true", *SMALL], tmp_path, fast=False)
+    assert out.returncode == 0, out.stderr
+    assert "without -m only its base point runs" in out.stderr
+    assert len(results_under(tmp_path)) == 1
