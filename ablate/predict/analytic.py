@@ -8,11 +8,15 @@ its input) and uses SDPA, so no (s, s) score matrix is stored and the 5as/h term
 layer saves is 16·s·b·h elements (below, `_block_saves`) plus LayerNorm statistics and SDPA's
 log-sum-exp, 32·s·b·h bytes in 16-bit where the paper counts 34 with its two dropout masks.
 
-The step is played as a timeline of allocations and frees in the order a real step makes them
-(forward block by block, backward in reverse with recompute, optimizer step, zero_grad), so the
-peak is where the real one is and the breakdown at the peak is comparable with MemTracker's.
-Categories follow MemTracker: tensors made in forward (and recomputed ones) are activations,
-other tensors made in backward are "other", optimizer-step temporaries count as "optimizer".
+Under FSDP2 (fully_shard) each rank holds dim-0 chunks of every parameter, padded to
+ceil(rows / world) rows, so rank 0's are the largest; its optimizer states take the same local
+shapes, and only the 0-d step counters are whole on every rank. A unit (a block, or the root:
+embeddings and ln_f) is all-gathered in the compute dtype for its forward and again for its
+backward; its gradients are made whole, then reduce-scattered into shards. FSDP1 is given the same
+sizes, unmeasured: MemTracker cannot follow it.
+
+The sizes are played through one step as a timeline of allocations and frees
+(ablate/predict/timeline.py), so the peak lands where the real one does.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import torch
 from ablate.build import Techniques, gpt_config
 from ablate.model import GPT
 from ablate.predict import Prediction
-from ablate.predict.timeline import Timeline, Unmodelled
+from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.techniques import checkpoint as ckpt
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
@@ -157,30 +161,8 @@ def _step_temp_bytes(t: Techniques, groups: list[list[int]], d: int, device: str
     raise Unmodelled(f"no memory model for optimizer option {type(o).__name__}")
 
 
-@dataclass
-class _Unit:
-    """One FSDP unit on one rank (bytes): a transformer block, or the root (embeddings, ln_f)."""
-
-    gathered: float  # its parameters all-gathered: every rank's padded shard, in the compute dtype
-    sharded_grads: float  # this rank's gradient shards after the reduce-scatter (parameter dtype)
-    reduce_input: float  # the flat reduce-scatter input: the whole unit's gradients (reduce dtype)
-
-
-@dataclass
-class _Bytes:
-    """Per-rank sizes the timeline plays with (bytes)."""
-
-    params: float  # resident parameters on the device: whole, or this rank's shards (FSDP)
-    grads: dict  # parameter name -> its gradient as backward makes it (whole: FSDP shards it after)
-    states: float
-    step_temp: float
-    other: float  # persistent extras: DDP buckets
-    root: _Unit | None = None  # FSDP only
-    block: _Unit | None = None
-    reshard: bool = True  # FSDP frees gathered parameters after forward (ZeRO-3), else after backward
-
-
-def _sizes(t: Techniques, sh: Shapes, device: str) -> _Bytes:
+def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
+    """Parameters, gradients, optimizer states and FSDP's units on one rank (bytes)."""
     pd = BYTES[t.precision.param_dtype]
     gd = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]  # FSDP's mp param_dtype
     p = t.parallel
@@ -196,16 +178,16 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> _Bytes:
     if isinstance(t.offload, OptimizerState) and t.offload.gradients:
         grads = dict.fromkeys(grads, 0.0)
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
-    z = _Bytes(params=0.0 if offloaded else sum(local.values()) * pd, grads=grads, states=states,
-               step_temp=0.0 if states == 0 else _step_temp_bytes(t, groups, pd, device),
-               other=sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0)  # DDP's buckets
+    z = Sizes(params=0.0 if offloaded else sum(local.values()) * pd, grads=grads, states=states,
+              step_temp=0.0 if states == 0 else _step_temp_bytes(t, groups, pd, device),
+              other=sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0)  # DDP's buckets
     if p.shards_params:
         reduce_d = 4 if t.precision.autocast_dtype else pd  # FSDP reduces in fp32 under autocast
 
-        def unit(names: list[str]) -> _Unit:
+        def unit(names: list[str]) -> Unit:
             shard = sum(local[n] for n in names)
-            return _Unit(gathered=shard * world * gd, sharded_grads=0.0 if offloaded else shard * pd,
-                         reduce_input=shard * world * reduce_d)
+            return Unit(gathered=shard * world * gd, sharded_grads=0.0 if offloaded else shard * pd,
+                        reduce_input=shard * world * reduce_d)
 
         z.root = unit([n for n in local if not n.startswith("transformer.h.")])
         z.block = unit([n for n in local if n.startswith("transformer.h.0.")])
@@ -213,165 +195,27 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> _Bytes:
     return z
 
 
-class _Step:
-    """One optimizer step (every micro-step's forward and backward, then the optimizer step)
-    played on a Timeline, optimizer states already allocated. Bytes on one rank."""
-
-    def __init__(self, t: Techniques, sh: Shapes, z: _Bytes, device: str):
-        self.t, self.sh, self.z, self.tl = t, sh, z, Timeline()
-        self.c = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]  # compute dtype
-        self.r = BYTES[t.precision.param_dtype]  # the residual stream (autocast adds in fp32)
-        self.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
-        # FSDP with mixed precision sums whole gradients over micro-steps in fp32 (its reduce dtype),
-        # beside .grad (FSDPParam.unsharded_accumulated_grad), not in the compute-dtype .grad.
-        self.upcast = z.root is not None and bool(t.precision.autocast_dtype) and t.accumulation.steps > 1
-        layer_stats = isinstance(t.checkpoint, ckpt.Layers) and "layernorm" in t.checkpoint.types
-        self.ln_f_stats = 0 if layer_stats else 2 * sh.sb * 4
-        self.blocks = [_block_saves(t, i, sh, self.r, self.c) for i in range(sh.layers)]
-        self.block_names = [[n for n in z.grads if n.startswith(f"transformer.h.{i}.")] for i in range(sh.layers)]
-        self.root_names = [n for n in z.grads if not n.startswith("transformer.h.")]
-        self.have_grads = False
-        # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the
-        # copy until forward ends, and the matmul saves it for backward. FSDP's mixed precision
-        # gathers parameters already in that dtype, so nothing is cast there.
-        casts = bool(t.precision.autocast_dtype) and not t.parallel.shards_params
-        linear = sum(v for n, v in sh.param_numels.items() if n.startswith(("transformer.h.0.attn.",
-                                                                          "transformer.h.0.mlp.")))
-        self.block_cast = linear * self.c if casts else 0
-        self.lm_head_cast = sh.vocab * sh.h * self.c if casts else 0
-
-    def keeps_cast(self, saved: float) -> bool:
-        """Whether a block's cast weights stay on the device from its forward to its backward:
-        not when the whole block is recomputed (Korthikanti's full recompute: `saved` is 0), nor
-        when saved tensors go to the host. (A partly recomputed block is counted as keeping them.)"""
-        return saved > 0 and not self.offload_acts
-
-    def keep(self, nbytes: float) -> float:
-        return 0.0 if self.offload_acts else nbytes  # save_on_cpu: saved tensors live on the host
-
-    def play(self, batch_tokens: int) -> Timeline:
-        tl, z, steps = self.tl, self.z, self.t.accumulation.steps
-        tl.alloc("params", z.params)
-        tl.alloc("optimizer", z.states)
-        tl.alloc("other", z.other)
-        tl.alloc("activations", batch_tokens * 8 * 2)  # int64 inputs and targets of the whole batch
-        for k in range(steps):
-            self.forward()
-            self.backward(sync=k == steps - 1)  # FSDP keeps whole gradients until the last micro-step
-            self.have_grads = True
-        tl.transient("optimizer", z.step_temp)
-        tl.free("grads", tl.now["grads"])  # zero_grad(set_to_none=True)
-        return tl
-
-    def forward(self) -> None:
-        tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
-        sbh, sb, V = sh.sbh, sh.sb, sh.vocab
-        self.gather(z.root, "activations")
-        # Embedding outputs, then x0 = wte(idx) + wpe(pos): the residual stream (B, T, C).
-        tl.transient("activations", sbh * r + sh.s * sh.h * r)
-        tl.alloc("activations", keep(sbh * r))
-        for saved, full in self.blocks:
-            self.gather(z.block, "activations")
-            tl.alloc("activations", self.block_cast)
-            tl.transient("activations", min(full - saved, 8 * sbh * c))  # made and dropped inside
-            tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
-            if z.reshard:
-                self.release(z.block)
-        # ln_f statistics and output, logits (B, T, V), their fp32 copy, log-softmax (fp32, kept).
-        tl.alloc("activations", keep(self.ln_f_stats + sbh * c) + self.lm_head_cast)
-        tl.alloc("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))
-        tl.alloc("activations", keep(sb * V * 4))
-        tl.free("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))  # logits not kept
-        # Autocast's cache goes with the forward: casts backward does not need on the device with it.
-        tl.free("activations", sum(self.block_cast for saved, _ in self.blocks if not self.keeps_cast(saved))
-                + self.lm_head_cast - keep(self.lm_head_cast))
-        if z.reshard:  # the root's forward ends with the loss; its backward gathers it again
-            self.release(z.root)
-
-    def backward(self, sync: bool) -> None:
-        tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
-        sbh, sb, V = sh.sbh, sh.sb, sh.vocab
-        if z.reshard:
-            self.gather(z.root, "other")
-        # Loss -> log-softmax -> logits -> lm_head.
-        tl.alloc("other", 2 * sb * V * 4)  # d log-softmax, d logits
-        tl.free("activations", keep(sb * V * 4))
-        tl.free("other", sb * V * 4)
-        if c != 4:
-            tl.transient("other", sb * V * c)
-        # lm_head's share of the tied wte gradient waits in autograd's buffer (a temporary) until
-        # the embedding's share is added; only then does it become wte.grad.
-        wte = z.grads["transformer.wte.weight"]
-        tl.alloc("other", sbh * c + wte)  # d ln_f out, lm_head's d wte
-        tl.free("other", sb * V * 4)
-        tl.transient("activations", self.lm_head_cast - keep(self.lm_head_cast))  # back from the host
-        tl.free("activations", keep(sbh * c + self.ln_f_stats + sbh * r + self.lm_head_cast))  # and x_L, ln_f's input
-        tl.alloc("other", sbh * r)  # d x_L (replaces d ln_f out)
-        tl.free("other", sbh * c)
-        for i in reversed(range(sh.layers)):
-            saved, full = self.blocks[i]
-            if z.reshard:
-                self.gather(z.block, "other")
-            back = full - saved + (saved if self.offload_acts else 0)  # recomputed, or copied back from the host
-            back += 0 if self.keeps_cast(saved) else self.block_cast  # cast again, or copied back
-            tl.alloc("activations", back)
-            tl.transient("other", 8 * sbh * c)  # d c_fc out and d GELU out alive together
-            for n in self.block_names[i]:
-                self.grad(z.grads[n])
-            kept = keep(saved) + (self.block_cast if self.keeps_cast(saved) else 0)
-            tl.free("activations", kept + back + (keep(sbh * r) if i else 0))  # and its input (x0 below)
-            self.reduce(z.block, self.block_names[i], sync)
-            self.release(z.block)
-        # Embedding backward: its dense (V, C) gradient and lm_head's share are summed out of place
-        # (three wte-sized tensors alive at once); the sum becomes wte.grad, or is added into it.
-        tl.alloc("other", 2 * wte)
-        tl.free("other", 3 * wte)
-        for n in ["transformer.wte.weight", *(n for n in self.root_names if n != "transformer.wte.weight")]:
-            self.grad(z.grads[n])
-        tl.free("activations", keep(sbh * r))
-        tl.free("other", sbh * r)
-        self.reduce(z.root, self.root_names, sync)
-        self.release(z.root)
-
-    def grad(self, nbytes: float) -> None:
-        """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
-        (briefly both), or stepped and freed at once (optimizer.in_backward)."""
-        if self.t.optimizer.in_backward or (self.have_grads and not self.upcast):
-            self.tl.transient("grads", nbytes)
-        else:
-            self.tl.alloc("grads", nbytes)
-
-    def gather(self, unit: _Unit | None, kind: str) -> None:
-        """FSDP all-gathers a unit's parameters into one flat buffer (labelled `kind`: MemTracker
-        calls it an activation in forward, other in backward), copies them out into the whole
-        parameters, then frees the buffer."""
-        if unit:
-            self.tl.alloc(kind, unit.gathered)
-            self.tl.alloc("params", unit.gathered)
-            self.tl.free(kind, unit.gathered)
-
-    def release(self, unit: _Unit | None) -> None:
-        if unit:
-            self.tl.free("params", unit.gathered)
-
-    def reduce(self, unit: _Unit | None, names: list[str], sync: bool) -> None:
-        """FSDP after a unit's backward: on the last micro-step its whole gradients are copied into
-        one flat buffer for the reduce-scatter and freed, and this rank's shard of the sum becomes
-        its gradient; on earlier ones they wait (in fp32 beside .grad under mixed precision)."""
-        if not unit or self.t.optimizer.in_backward:
-            return
-        whole = ("grads", sum(self.z.grads[n] for n in names))
-        if self.upcast:
-            summed = ("other", whole[1] / self.c * 4)
-            if not self.have_grads:  # the first micro-step converts .grad; later ones add into it
-                self.tl.alloc(*summed)
-            self.tl.free(*whole)
-            whole = summed
-        if sync:
-            self.tl.alloc("other", unit.reduce_input)
-            self.tl.free(*whole)
-            self.tl.alloc("grads", unit.sharded_grads)
-            self.tl.free("other", unit.reduce_input)
+def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
+    """One rank's sizes and switches for the step: model state, then what the forward keeps."""
+    z = _model_state(t, sh, device)
+    z.c = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]
+    z.r = BYTES[t.precision.param_dtype]  # autocast adds the residual stream in fp32
+    z.blocks = [_block_saves(t, i, sh, z.r, z.c) for i in range(sh.layers)]
+    layer_stats = isinstance(t.checkpoint, ckpt.Layers) and "layernorm" in t.checkpoint.types
+    z.ln_f_stats = 0 if layer_stats else 2 * sh.sb * 4
+    # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the
+    # copy until forward ends, and the matmul saves it for backward. FSDP's mixed precision
+    # gathers parameters already in that dtype, so nothing is cast there.
+    if t.precision.autocast_dtype and not t.parallel.shards_params:
+        linear = ("transformer.h.0.attn.", "transformer.h.0.mlp.")
+        z.block_cast = sum(v for n, v in sh.param_numels.items() if n.startswith(linear)) * z.c
+        z.lm_head_cast = sh.vocab * sh.h * z.c
+    z.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
+    z.micro_steps, z.in_backward = t.accumulation.steps, t.optimizer.in_backward
+    # FSDP with mixed precision sums whole gradients over micro-steps in fp32 (its reduce dtype),
+    # beside .grad (FSDPParam.unsharded_accumulated_grad), not in the compute-dtype .grad.
+    z.upcast = z.root is not None and bool(t.precision.autocast_dtype) and z.micro_steps > 1
+    return z
 
 
 def analytic(cfg: dict) -> Prediction:
@@ -379,7 +223,7 @@ def analytic(cfg: dict) -> Prediction:
     t = Techniques.from_config(cfg)
     device = "cpu" if cfg["device"] == "cpu" else "cuda"  # auto: the GPU the user plans on
     sh = _shapes(cfg, t)
-    tl = _Step(t, sh, _sizes(t, sh, device), device).play(cfg["batch_size"] * cfg["seq_len"])
+    tl = Step(sh, _sizes(t, sh, device)).play(cfg["batch_size"] * cfg["seq_len"])
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
                       category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",
                       steady_mib={k: v / MIB for k, v in tl.now.items()})

@@ -1,11 +1,23 @@
-"""The bookkeeping the analytic model plays one training step through: live bytes per category."""
+"""One training step played as allocations and frees: the analytic model's bookkeeping.
+
+ablate/predict/analytic.py works out one rank's sizes (`Sizes`); `Step` plays them in the order a
+real step allocates and frees them (forward block by block, backward in reverse with recompute,
+FSDP's all-gathers and reduce-scatters, the optimizer step, zero_grad), so the peak is where the
+real one is and the breakdown at the peak is comparable with MemTracker's.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ablate.predict.analytic import Shapes
 
 KEYS = ("params", "grads", "optimizer", "activations", "other")  # the result contract's breakdown_mib keys
 
 
 class Unmodelled(Exception):
-    """An option this model has no sizes for (a new option must add its memory model here)."""
+    """An option the analytic model has no sizes for (a new option adds its sizes there)."""
 
 
 class Timeline:
@@ -30,3 +42,185 @@ class Timeline:
         """Allocated and freed again before anything else happens."""
         self.alloc(kind, nbytes)
         self.free(kind, nbytes)
+
+
+@dataclass
+class Unit:
+    """One FSDP unit on one rank (bytes): a transformer block, or the root (embeddings, ln_f)."""
+
+    gathered: float  # its parameters all-gathered: every rank's padded shard, in the compute dtype
+    sharded_grads: float  # this rank's gradient shards after the reduce-scatter (parameter dtype)
+    reduce_input: float  # the flat reduce-scatter input: the whole unit's gradients (reduce dtype)
+
+
+@dataclass
+class Sizes:
+    """One rank's sizes for one step (bytes) and the switches that decide when each is alive."""
+
+    params: float  # resident parameters on the device: whole, or this rank's shards (FSDP)
+    grads: dict  # parameter name -> its gradient as backward makes it (whole: FSDP shards it after)
+    states: float  # optimizer states on the device (this rank's shards under FSDP)
+    step_temp: float  # optimizer-step temporaries at their largest
+    other: float  # persistent extras: DDP buckets
+    root: Unit | None = None  # FSDP only
+    block: Unit | None = None
+    reshard: bool = True  # FSDP frees gathered parameters after forward (ZeRO-3), else after backward
+    upcast: bool = False  # FSDP under autocast sums micro-steps' gradients in fp32 beside .grad
+    c: int = 4  # bytes/element of the compute dtype (what Linear, SDPA and GELU produce)
+    r: int = 4  # bytes/element of the residual stream: the parameter dtype (fp32 under autocast)
+    blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
+    ln_f_stats: float = 0.0  # ln_f's mean and rstd, unless recomputed
+    block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
+    lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
+    offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
+    micro_steps: int = 1
+    in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
+
+
+class Step:
+    """One optimizer step (every micro-step's forward and backward, then the optimizer step)
+    played on a Timeline, optimizer states already allocated. Bytes on one rank.
+
+    Categories follow MemTracker: tensors made in forward (and recomputed ones) are activations,
+    other tensors made in backward are "other", optimizer-step temporaries count as "optimizer",
+    FSDP's all-gathered parameters are parameters."""
+
+    def __init__(self, sh: Shapes, z: Sizes):
+        self.sh, self.z, self.tl = sh, z, Timeline()
+        self.c, self.r = z.c, z.r
+        self.block_names = [[n for n in z.grads if n.startswith(f"transformer.h.{i}.")] for i in range(sh.layers)]
+        self.root_names = [n for n in z.grads if not n.startswith("transformer.h.")]
+        self.have_grads = False
+
+    def keeps_cast(self, saved: float) -> bool:
+        """Whether a block's cast weights stay on the device from its forward to its backward:
+        not when the whole block is recomputed (Korthikanti's full recompute: `saved` is 0), nor
+        when saved tensors go to the host. (A partly recomputed block is counted as keeping them.)"""
+        return saved > 0 and not self.z.offload_acts
+
+    def keep(self, nbytes: float) -> float:
+        return 0.0 if self.z.offload_acts else nbytes  # save_on_cpu: saved tensors live on the host
+
+    def play(self, batch_tokens: int) -> Timeline:
+        tl, z, steps = self.tl, self.z, self.z.micro_steps
+        tl.alloc("params", z.params)
+        tl.alloc("optimizer", z.states)
+        tl.alloc("other", z.other)
+        tl.alloc("activations", batch_tokens * 8 * 2)  # int64 inputs and targets of the whole batch
+        for k in range(steps):
+            self.forward()
+            self.backward(sync=k == steps - 1)  # FSDP keeps whole gradients until the last micro-step
+            self.have_grads = True
+        tl.transient("optimizer", z.step_temp)
+        tl.free("grads", tl.now["grads"])  # zero_grad(set_to_none=True)
+        return tl
+
+    def forward(self) -> None:
+        tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
+        sbh, sb, V = sh.sbh, sh.sb, sh.vocab
+        self.gather(z.root, "activations")
+        # Embedding outputs, then x0 = wte(idx) + wpe(pos): the residual stream (B, T, C).
+        tl.transient("activations", sbh * r + sh.s * sh.h * r)
+        tl.alloc("activations", keep(sbh * r))
+        for saved, full in self.z.blocks:
+            self.gather(z.block, "activations")
+            tl.alloc("activations", self.z.block_cast)
+            tl.transient("activations", min(full - saved, 8 * sbh * c))  # made and dropped inside
+            tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
+            if z.reshard:
+                self.release(z.block)
+        # ln_f statistics and output, logits (B, T, V), their fp32 copy, log-softmax (fp32, kept).
+        tl.alloc("activations", keep(self.z.ln_f_stats + sbh * c) + self.z.lm_head_cast)
+        tl.alloc("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))
+        tl.alloc("activations", keep(sb * V * 4))
+        tl.free("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))  # logits not kept
+        # Autocast's cache goes with the forward: casts backward does not need on the device with it.
+        tl.free("activations", sum(self.z.block_cast for saved, _ in self.z.blocks if not self.keeps_cast(saved))
+                + self.z.lm_head_cast - keep(self.z.lm_head_cast))
+        if z.reshard:  # the root's forward ends with the loss; its backward gathers it again
+            self.release(z.root)
+
+    def backward(self, sync: bool) -> None:
+        tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
+        sbh, sb, V = sh.sbh, sh.sb, sh.vocab
+        if z.reshard:
+            self.gather(z.root, "other")
+        # Loss -> log-softmax -> logits -> lm_head.
+        tl.alloc("other", 2 * sb * V * 4)  # d log-softmax, d logits
+        tl.free("activations", keep(sb * V * 4))
+        tl.free("other", sb * V * 4)
+        if c != 4:
+            tl.transient("other", sb * V * c)
+        # lm_head's share of the tied wte gradient waits in autograd's buffer (a temporary) until
+        # the embedding's share is added; only then does it become wte.grad.
+        wte = z.grads["transformer.wte.weight"]
+        tl.alloc("other", sbh * c + wte)  # d ln_f out, lm_head's d wte
+        tl.free("other", sb * V * 4)
+        tl.transient("activations", self.z.lm_head_cast - keep(self.z.lm_head_cast))  # back from the host
+        tl.free("activations", keep(sbh * c + self.z.ln_f_stats + sbh * r + self.z.lm_head_cast))  # and x_L, ln_f's input
+        tl.alloc("other", sbh * r)  # d x_L (replaces d ln_f out)
+        tl.free("other", sbh * c)
+        for i in reversed(range(sh.layers)):
+            saved, full = self.z.blocks[i]
+            if z.reshard:
+                self.gather(z.block, "other")
+            back = full - saved + (saved if self.z.offload_acts else 0)  # recomputed, or copied back from the host
+            back += 0 if self.keeps_cast(saved) else self.z.block_cast  # cast again, or copied back
+            tl.alloc("activations", back)
+            tl.transient("other", 8 * sbh * c)  # d c_fc out and d GELU out alive together
+            for n in self.block_names[i]:
+                self.grad(z.grads[n])
+            kept = keep(saved) + (self.z.block_cast if self.keeps_cast(saved) else 0)
+            tl.free("activations", kept + back + (keep(sbh * r) if i else 0))  # and its input (x0 below)
+            self.reduce(z.block, self.block_names[i], sync)
+            self.release(z.block)
+        # Embedding backward: its dense (V, C) gradient and lm_head's share are summed out of place
+        # (three wte-sized tensors alive at once); the sum becomes wte.grad, or is added into it.
+        tl.alloc("other", 2 * wte)
+        tl.free("other", 3 * wte)
+        for n in ["transformer.wte.weight", *(n for n in self.root_names if n != "transformer.wte.weight")]:
+            self.grad(z.grads[n])
+        tl.free("activations", keep(sbh * r))
+        tl.free("other", sbh * r)
+        self.reduce(z.root, self.root_names, sync)
+        self.release(z.root)
+
+    def grad(self, nbytes: float) -> None:
+        """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
+        (briefly both), or stepped and freed at once (optimizer.in_backward)."""
+        if self.z.in_backward or (self.have_grads and not self.z.upcast):
+            self.tl.transient("grads", nbytes)
+        else:
+            self.tl.alloc("grads", nbytes)
+
+    def gather(self, unit: Unit | None, kind: str) -> None:
+        """FSDP all-gathers a unit's parameters into one flat buffer (labelled `kind`: MemTracker
+        calls it an activation in forward, other in backward), copies them out into the whole
+        parameters, then frees the buffer."""
+        if unit:
+            self.tl.alloc(kind, unit.gathered)
+            self.tl.alloc("params", unit.gathered)
+            self.tl.free(kind, unit.gathered)
+
+    def release(self, unit: Unit | None) -> None:
+        if unit:
+            self.tl.free("params", unit.gathered)
+
+    def reduce(self, unit: Unit | None, names: list[str], sync: bool) -> None:
+        """FSDP after a unit's backward: on the last micro-step its whole gradients are copied into
+        one flat buffer for the reduce-scatter and freed, and this rank's shard of the sum becomes
+        its gradient; on earlier ones they wait (in fp32 beside .grad under mixed precision)."""
+        if not unit or self.z.in_backward:
+            return
+        whole = ("grads", sum(self.z.grads[n] for n in names))
+        if self.z.upcast:
+            summed = ("other", whole[1] / self.c * 4)
+            if not self.have_grads:  # the first micro-step converts .grad; later ones add into it
+                self.tl.alloc(*summed)
+            self.tl.free(*whole)
+            whole = summed
+        if sync:
+            self.tl.alloc("other", unit.reduce_input)
+            self.tl.free(*whole)
+            self.tl.alloc("grads", unit.sharded_grads)
+            self.tl.free("other", unit.reduce_input)
