@@ -13,7 +13,6 @@ from ablate.predict.analytic import analytic
 from ablate.predict.trace import trace
 from ablate.train import train_step
 from tests.helpers import compose_config
-from tests.test_gpu_predict import record
 
 MIB = 2**20
 # gpt-nano with a small vocabulary, so that the blocks' activations are not drowned by the logits.
@@ -131,25 +130,3 @@ def test_predict_rejects_an_unknown_method():
     with pytest.raises(ValueError, match="analytic, trace, none"):
         predict(compose_config(NANO), "guess")
 
-
-def test_gpu_comparison_page_records_provenance_and_each_points_error(tmp_path):
-    """The page tests/test_gpu_predict.py writes on a GPU, from made-up result rows."""
-    env = {"gpu_name": "NVIDIA H100 80GB HBM3", "torch": "2.9.0+cu128", "cuda": "12.8", "git_sha": "abc123"}
-
-    def row(optimizer: str, status: str, predicted: float, measured: float | None) -> dict:
-        return {"choices": {"optimizer": optimizer, "checkpoint": "none", "precision": "fp32"}, "status": status,
-                "env": env, "prediction": {"peak_mib": predicted}, "metrics": {"peak_allocated_mib": measured}}
-
-    rows = [row("sgd", "ok", 3300.0, 3000.0), row("adamw", "ok", 4500.0, 4600.0), row("adafactor", "oom", 9e4, None)]
-    path = record(rows, "python -m ablate -m optimizer=adamw,sgd", tmp_path)
-    assert path == tmp_path / "NVIDIA-H100-80GB-HBM3" / "predict_vs_measured.md"
-    text = path.read_text()
-    for fact in ("`python -m ablate -m optimizer=adamw,sgd`", "`abc123`", "torch 2.9.0+cu128, CUDA 12.8",
-                 "device: NVIDIA H100 80GB HBM3"):
-        assert fact in text
-    table = [line for line in text.splitlines() if line.startswith("| optimizer=")]
-    assert table == [  # sorted by config; errors (predicted - measured) / measured
-        f"| optimizer=adafactor checkpoint=none precision=fp32 | {9e4:,.1f} | oom | - |",
-        f"| optimizer=adamw checkpoint=none precision=fp32 | 4,500.0 | 4,600.0 | {-100 / 4600 * 100:+.1f} |",
-        f"| optimizer=sgd checkpoint=none precision=fp32 | 3,300.0 | 3,000.0 | {300 / 3000 * 100:+.1f} |",
-    ]
