@@ -101,6 +101,8 @@ def predicted(config: dict) -> Prediction | None:
     """The point's predicted memory; a method that fails falls back to the analytic model, and a
     prediction that cannot be made is a warning, never a lost point."""
     methods = [] if config["predict"] == "none" else list(dict.fromkeys([config["predict"], "analytic"]))
+    if config["device"] == "auto" and not config["predict_only"] and not visible_gpu_count():
+        config = {**config, "device": "cpu"}  # this point is about to run here, on the CPU
     for method in methods:
         try:
             return predict(config, method)

@@ -108,3 +108,14 @@ def test_batch_scan_experiment_is_one_command(tmp_path):
     report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "batch"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert "(predicted)" in report.stdout
+
+
+def test_a_point_about_to_run_on_this_cpu_with_device_auto_is_predicted_for_the_cpu(tmp_path):
+    """device=auto on a machine without a GPU runs on the CPU, where activation offload moves
+    nothing: predicting it for a GPU (where it saves the activations) would be 30% low here."""
+    out = run_cli(["offload=activations", "device=auto", "batch_size=8", "seq_len=32", "steps=2"], tmp_path,
+                  env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr
+    (result,) = results_under(tmp_path)
+    assert result["status"] == "ok", result["reason"]
+    assert result["prediction"]["peak_mib"] == pytest.approx(result["metrics"]["peak_allocated_mib"], rel=0.05)
