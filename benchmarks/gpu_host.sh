@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a GPU host without network, in a copy of this repository that carries .whl/ (made by
+# ../shared/device/wheels.sh): install the wheels beside the host's torch, run the named benchmarks
+# (`gpu-tests` = pytest -m gpu, which also runs predict_check), then pack every report and every
+# result.json into ONE archive, for hosts that hand back only a few files:
+#   bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest   # -> $OUT/results.tgz (or outputs/)
+# A benchmark that fails does not stop the others; finished grid points are skipped on a rerun.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+status=0
+for name in "$@"; do
+  echo "== $name ($(date -u +%H:%M:%S))"
+  if [ "$name" = gpu-tests ]; then
+    python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
+  else
+    python3 "benchmarks/$name.py" || status=1
+  fi
+done
+dest="${OUT:-outputs}"
+mkdir -p "$dest"
+tar czf "$dest/results.tgz" benchmarks/results $(find outputs -name result.json 2>/dev/null) && ls -l "$dest/results.tgz"
+exit $status
