@@ -30,7 +30,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
 def _override_value(value: Any) -> str:
-    """A YAML value as Hydra's override grammar writes it: [a,b] for lists, true/false for bools."""
+    """A YAML value as Hydra's override grammar writes it: [a,b] for lists, true/false, null."""
+    if value is None:
+        return "null"
     if isinstance(value, (list, ListConfig)):
         return "[" + ",".join(_override_value(v) for v in value) + "]"
     if isinstance(value, bool):
