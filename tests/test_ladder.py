@@ -87,3 +87,10 @@ def test_a_ladder_run_without_multirun_says_only_its_base_point_ran(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "without -m only its base point runs" in out.stderr
     assert len(results_under(tmp_path)) == 1
+
+
+def test_rung_values_are_written_in_hydras_override_grammar():
+    from hydra_plugins.ablate_launcher.sweepers import _override_value
+
+    assert [_override_value(v) for v in (["layernorm", "gelu"], True, None, 8, "8,16")] == [
+        "[layernorm,gelu]", "true", "null", "8", "8,16"]
