@@ -14,6 +14,8 @@ A GPU host without network needs only torch: bring the other packages as wheels 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import re
 import shlex
 import subprocess
@@ -48,7 +50,7 @@ def header(preset: str, commands: list[list[str]], sweep: Path) -> tuple[str, st
              "result.json files, rendered by analysis.report unedited.", ""]
     lines += [f"- command: `{shlex.join(c)}`" for c in commands]
     lines += [f"- commit: `{env('git_sha')}`", f"- device: {gpu or 'CPU'} ({env('gpu_total_mib') or '-'} MiB), "
-              f"driver {env('driver') or '-'}, host `{env('hostname')}`",
+              f"driver {env('driver') or '-'}, host `{env('hostname')}` ({os.cpu_count()} {platform.machine()} CPUs)",
               f"- torch {env('torch')}, CUDA {env('cuda') or '-'}, Python {env('python')}",
               f"- finished: {df['finished_at'].max()}", ""]
     return device_dir(gpu), "\n".join(lines)
@@ -62,13 +64,14 @@ def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), arg
     parser.add_argument("--sweep-dir", help="the sweep's directory (default outputs/benchmarks/<preset>/<time>)")
     args, given = parser.parse_known_args(argv)
     overrides = [*(o for o in defaults if o.split("=")[0] not in {g.split("=")[0] for g in given}), *given]
-    sweep = Path(args.sweep_dir or ROOT / "outputs" / "benchmarks" / preset / time.strftime("%Y-%m-%d_%H-%M-%S"))
-    python = Path(sys.executable).name
-    sweep_cmd = [python, "-m", "ablate", "-m", f"experiment={preset}", f"hydra.sweep.dir={sweep}", *overrides]
+    default_sweep = ROOT / "outputs" / "benchmarks" / preset / time.strftime("%Y-%m-%d_%H-%M-%S")
+    sweep = Path(args.sweep_dir or default_sweep).resolve()
+    shown = sweep.relative_to(ROOT) if sweep.is_relative_to(ROOT) else sweep  # as typed in the repository
+    sweep_cmd = ["python", "-m", "ablate", "-m", f"experiment={preset}", f"hydra.sweep.dir={shown}", *overrides]
     subprocess.run([sys.executable, *sweep_cmd[1:]], cwd=ROOT, check=True)
 
     staging = sweep / "report"
-    report_cmd = [python, "-m", "analysis.report", str(sweep), *report_args, "--out", str(staging)]
+    report_cmd = ["python", "-m", "analysis.report", str(shown), *report_args, "--out", str(shown / "report")]
     subprocess.run([sys.executable, *report_cmd[1:]], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     device, top = header(preset, [sweep_cmd, report_cmd], sweep)
 
