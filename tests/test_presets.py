@@ -45,14 +45,24 @@ def test_cfg_job_prints_a_preset():
     assert "name: gpt2-xl" in out.stdout and "backward_prefetch: post" in out.stdout
 
 
-def plan(preset: str, tmp_path, *overrides: str) -> list[dict]:
-    """The preset's grid at full size, predicted for one GPU and not run: results in rung order."""
-    out = run_cli(["-m", f"experiment={preset}", "predict_only=true", "device=cuda", "parallel.nproc=1",
-                   f"hydra.sweep.dir={tmp_path}/s", *overrides], tmp_path, fast=False)
-    assert out.returncode == 0, out.stderr
-    runs = results_under(tmp_path / "s")
-    assert {r["status"] for r in runs} == {"predicted"}
-    return sorted(runs, key=lambda r: (r["config"]["rung"] or 0, r["config"]["batch_size"], r["config"]["compile"]))
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    """preset -> its grid at full size, predicted for one GPU and not run: results in rung order
+    (each preset planned once for the module)."""
+    planned: dict[str, list[dict]] = {}
+
+    def get(preset: str) -> list[dict]:
+        if preset not in planned:
+            tmp = tmp_path_factory.mktemp(preset)
+            out = run_cli(["-m", f"experiment={preset}", "predict_only=true", "device=cuda", "parallel.nproc=1",
+                           f"hydra.sweep.dir={tmp}/s"], tmp, fast=False)
+            assert out.returncode == 0, out.stderr
+            runs = results_under(tmp / "s")
+            assert {r["status"] for r in runs} == {"predicted"}
+            planned[preset] = sorted(runs, key=lambda r: (r["config"]["rung"] or 0, r["config"]["batch_size"],
+                                                          r["config"]["compile"]))
+        return planned[preset]
+    return get
 
 
 def peaks(runs: list[dict]) -> list[float]:
@@ -60,22 +70,22 @@ def peaks(runs: list[dict]) -> list[float]:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_preset_plans_its_full_size_grid_without_a_gpu(preset, tmp_path):
-    runs = plan(preset, tmp_path)
+def test_preset_plans_its_full_size_grid_without_a_gpu(preset, plan):
+    runs = plan(preset)
     assert len(runs) == PRESETS[preset][2]
     assert PRESETS[preset][0] in {r["choices"]["model"] for r in runs}
 
 
-def test_ladder_rungs_save_what_they_promise(tmp_path):
-    b32, b64, b128, accum, block, forloop, fsdp = peaks(plan("gpt2_large_ladder", tmp_path))
+def test_ladder_rungs_save_what_they_promise(plan):
+    b32, b64, b128, accum, block, forloop, fsdp = peaks(plan("gpt2_large_ladder"))
     assert b32 < b64 < b128  # activations grow with the batch
     assert accum < b32 * 1.2  # 4 micro-batches of 32: about the batch-32 peak
     assert block < accum  # recompute keeps one block's activations
     assert forloop <= block
 
 
-def test_batch_scan_grows_with_the_batch_and_recompute_shrinks_it(tmp_path):
-    runs = plan("gpt2_xl_fsdp_batch_scan", tmp_path)
+def test_batch_scan_grows_with_the_batch_and_recompute_shrinks_it(plan):
+    runs = plan("gpt2_xl_fsdp_batch_scan")
     for rung in (0, 1, 2):
         scan = peaks([r for r in runs if r["config"]["rung"] == rung])
         assert scan == sorted(scan)
@@ -83,8 +93,8 @@ def test_batch_scan_grows_with_the_batch_and_recompute_shrinks_it(tmp_path):
     assert at_8[1] < at_8[0]
 
 
-def test_leanest_is_a_fraction_of_the_baseline(tmp_path):
-    baseline, lean8bit, lean_adafactor = peaks(plan("leanest", tmp_path))
+def test_leanest_is_a_fraction_of_the_baseline(plan):
+    baseline, lean8bit, lean_adafactor = peaks(plan("leanest"))
     assert lean8bit < baseline / 4 and lean_adafactor < lean8bit
 
 
