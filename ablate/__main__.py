@@ -18,10 +18,10 @@ if _PLUGINS.is_dir() and str(_PLUGINS) not in list(hydra_plugins.__path__):
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict:
     from ablate.job import run_point  # after composition: `--cfg job` and `--help` stay fast
 
-    run_point(cfg)
+    return run_point(cfg)  # the result: a sweeper may decide what to run next from it
 
 
 if __name__ == "__main__":

@@ -209,6 +209,16 @@ def warn_unswept(hc: DictConfig) -> None:
               "Add -m to run them all.", file=sys.stderr)
 
 
+def record_unlaunched(hydra_context, master_config: DictConfig, overrides: list[str], status: str,
+                      reason: str) -> dict:
+    """The row of a point that a launcher or sweeper ends without running its job (a SLURM job
+    killed outside Python, a ladder point after an OOM): its config composed as the job's would be."""
+    cfg = hydra_context.config_loader.load_sweep_config(master_config, list(overrides))
+    run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Point.of(cfg, cfg.hydra, run_dir).record(status, reason)
+
+
 def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     warn_unswept(hc)

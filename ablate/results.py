@@ -16,9 +16,11 @@ RESULT_FILE = "result.json"
 STATUSES = ("ok", "oom", "invalid", "error", "timeout", "predicted")  # predicted: predict_only=true
 # Outcomes that a rerun would repeat: skip_existing skips them. error and timeout may be transient
 # (a node failure, a busy machine), so they run again; so do predictions (status "predicted", and an
-# oom whose reason starts with PRUNED), which a later run without predict_only/prune must measure.
+# oom whose reason starts with PRUNED), which a later run without predict_only/prune must measure,
+# and points a ladder skipped after a smaller one ran out of memory (NOT_RUN).
 TERMINAL = ("ok", "oom", "invalid")
 PRUNED = "predicted:"
+NOT_RUN = "not run:"
 
 METRIC_KEYS = (
     "peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
@@ -85,7 +87,7 @@ def read(path: str | Path) -> dict | None:
 
 def is_terminal(result: dict) -> bool:
     """A measured outcome that a rerun would repeat (not a prediction, not a transient failure)."""
-    return result.get("status") in TERMINAL and not str(result.get("reason") or "").startswith(PRUNED)
+    return result.get("status") in TERMINAL and not str(result.get("reason") or "").startswith((PRUNED, NOT_RUN))
 
 
 class Index:

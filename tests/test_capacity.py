@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from ablate import results
 from ablate.capacity import CUDA_CONTEXT_MIB, largest_fitting, micro_batches
 from ablate.job import FIND_BATCH_MARGIN, with_micro_batch
 from ablate.predict.analytic import analytic
@@ -119,3 +120,20 @@ def test_a_point_about_to_run_on_this_cpu_with_device_auto_is_predicted_for_the_
     (result,) = results_under(tmp_path)
     assert result["status"] == "ok", result["reason"]
     assert result["prediction"]["peak_mib"] == pytest.approx(result["metrics"]["peak_allocated_mib"], rel=0.05)
+
+
+def test_batch_scan_stops_at_the_first_oom_and_records_the_rest_as_not_run(tmp_path):
+    """On an emulated card between the batch-4 and batch-7 peaks: 1, 2, 4 run, 7 runs out of
+    memory, and 8 ... 64 are oom rows that never ran (nor will a rerun skip them as done)."""
+    small = [*FAST[:5], "seq_len=32", "steps=1", "device=cpu"]  # the batch sizes are the scan's own
+    peak = {b: analytic(compose_config([*small, f"batch_size={b}"])).peak_mib for b in (4, 7)}
+    gib = gib_for((peak[4] + peak[7]) / 2)
+    proc = run_cli(["-m", "experiment=batch_scan", *small, f"gpu_memory_gib={gib}"], tmp_path, fast=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted(results_under(tmp_path), key=lambda r: r["config"]["batch_size"])
+    assert [(r["config"]["batch_size"], r["status"]) for r in rows] == [
+        (1, "ok"), (2, "ok"), (4, "ok"), (7, "oom"), *[(b, "oom") for b in (8, 9, 16, 32, 64)]]
+    assert "emulated" in rows[3]["reason"]
+    assert all(r["reason"].startswith("not run: batch_size=7 ran out of memory") for r in rows[4:])
+    assert len(list(tmp_path.rglob("events.jsonl"))) == 4  # only 1, 2, 4 and 7 started a worker
+    assert not any(results.is_terminal(r) for r in rows[4:])

@@ -61,13 +61,10 @@ class SlurmLauncher(PluginSlurmLauncher):
             return ret
 
     def _record_dead(self, overrides: list[str], reason: str) -> dict:
-        from ablate.job import Point
+        from ablate.job import record_unlaunched
 
-        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        log.error(f"{run_dir}: {reason}")
-        return Point.of(cfg, cfg.hydra, run_dir).record("error", reason)
+        log.error(f"{' '.join(overrides)}: {reason}")
+        return record_unlaunched(self.hydra_context, self.config, overrides, "error", reason)
 
 
 class LocalLauncher(PluginLocalLauncher):

@@ -21,11 +21,13 @@ Lives in `hydra_plugins.ablate_launcher` because Hydra takes sweeper classes fro
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.core.utils import JobStatus
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
@@ -46,7 +48,7 @@ def _by_key(overrides: List[str]) -> dict:
 
 
 class LadderSweeper(BasicSweeper):
-    def __init__(self, rungs: Optional[List[Any]] = None, cumulative: bool = True,
+    def __init__(self, rungs: Optional[List[Any]] = None, cumulative: bool = True, stop_after_oom: bool = False,
                  max_batch_size: Optional[int] = None, params: Optional[dict] = None) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
         rungs = OmegaConf.to_container(rungs) if isinstance(rungs, (DictConfig, ListConfig)) else rungs
@@ -56,7 +58,7 @@ class LadderSweeper(BasicSweeper):
             if not isinstance(rung, dict):
                 raise ValueError(f"hydra.sweeper.rungs[{i}] = {rung!r}: each rung is a mapping of key: value")
         self.rungs = [{str(k): _override_value(v) for k, v in rung.items()} for rung in rungs]
-        self.cumulative = cumulative
+        self.cumulative, self.stop_after_oom = cumulative, stop_after_oom
 
     def settings(self) -> Iterator[dict]:
         """Each rung's overrides (key -> value): with everything above it when cumulative."""
@@ -65,16 +67,50 @@ class LadderSweeper(BasicSweeper):
             above = {**above, **rung} if self.cumulative else rung
             yield above
 
-    def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
-        """BasicSweeper.sweep's one hook: the grid of `overrides`, each point run through every rung."""
+    def ladder(self, overrides: List[Override]) -> List[List[List[str]]]:
+        """The jobs, one list per rung per point of the `overrides` grid (a rung's own sweep in order)."""
         assert self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        grid = BasicSweeper.split_arguments(overrides, None)[0]
-        jobs = []
-        for point in grid:
+        groups = []
+        for point in BasicSweeper.split_arguments(overrides, None)[0]:
             for index, setting in enumerate(self.settings()):
                 rung = parser.parse_overrides([f"{k}={v}" for k, v in setting.items()])
-                for combo in BasicSweeper.split_arguments(rung, None)[0]:
-                    merged = {**_by_key(combo), **_by_key(point)}  # the command line wins
-                    jobs.append([*merged.values(), f"rung={index}"])
+                groups.append([[*{**_by_key(combo), **_by_key(point)}.values(), f"rung={index}"]  # command line wins
+                               for combo in BasicSweeper.split_arguments(rung, None)[0]])
+        return groups
+
+    def split_arguments(self, overrides: List[Override], max_batch_size: Optional[int]) -> List[List[List[str]]]:
+        """BasicSweeper.sweep's one hook: every job of the ladder, in batches for the launcher."""
+        jobs = [job for group in self.ladder(overrides) for job in group]
         return list(self.split_overrides_to_chunks(jobs, max_batch_size))
+
+    def sweep(self, arguments: List[str]) -> Any:
+        """With stop_after_oom, one job at a time: once a point of a rung's sweep runs out of memory
+        (or is pruned as predicted to), the rest of that sweep is recorded as oom, not run. Its
+        values must therefore grow in memory (batch sizes in increasing order)."""
+        if not self.stop_after_oom:
+            return super().sweep(arguments)
+        assert self.hydra_context is not None and self.config is not None and self.launcher is not None
+        from ablate.job import record_unlaunched
+        from ablate.results import NOT_RUN
+
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        groups = self.ladder(parser.parse_overrides([*self._parse_config(), *arguments]))
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        returns, launched = [], 0
+        for group in groups:
+            failed = None  # the overrides that set the first out-of-memory point apart
+            for job in group:
+                if failed:
+                    reason = f"{NOT_RUN} {' '.join(failed)} ran out of memory before it (hydra.sweeper.stop_after_oom)"
+                    record_unlaunched(self.hydra_context, self.config, job, "oom", reason)
+                    continue
+                self.validate_batch_is_legal([job])
+                (ret,) = self.launcher.launch([job], initial_job_idx=launched)
+                launched += 1
+                returns.append(ret)
+                if ret.status == JobStatus.COMPLETED and (ret.return_value or {}).get("status") == "oom":
+                    failed = [o for o in job if any(o not in other for other in group)]  # "batch_size=7"
+        return [returns]
