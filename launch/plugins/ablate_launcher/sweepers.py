@@ -17,6 +17,7 @@ A rung is a mapping of override key -> value, the same syntax as `hydra.sweeper.
 command line (and `params`) still forms a grid, and every point of that grid runs the whole
 ladder; where the command line and a rung set the same key, the command line wins. Each job gets
 `rung=<index>` (a run key left out of run_id), which the report's `--ladder` orders rows by.
+`stop_after_oom: true` ends a rung's own sweep at its first OOM (see `sweep`).
 Lives in `hydra_plugins.ablate_launcher` because Hydra takes sweeper classes from that namespace only.
 """
 from __future__ import annotations
