@@ -3,12 +3,16 @@
 # ../shared/device/wheels.sh): install the wheels beside the host's torch, run the named benchmarks
 # (`gpu-tests` = pytest -m gpu, which also runs predict_check), then pack every report and every
 # result.json into ONE archive, for hosts that hand back only a few files:
-#   bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest   # -> $OUT/results.tgz (or outputs/)
+#   ABLATE_GIT_SHA=<commit> bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest
+#                                        # -> $OUT/results.tgz (or outputs/); the commit where no .git came along
 # A benchmark that fails does not stop the others; finished grid points are skipped on a rerun.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+if ! git rev-parse HEAD >/dev/null 2>&1 && [ -z "${ABLATE_GIT_SHA:-}" ]; then
+  echo "warning: no .git here: set ABLATE_GIT_SHA=<commit> so the results name the code they ran" >&2
+fi
 status=0
 for name in "$@"; do
   echo "== $name ($(date -u +%H:%M:%S))"

@@ -141,3 +141,19 @@ def test_event_reader_waits_for_complete_lines(tmp_path):
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('ress"}\n')
     assert reader.read_new() == [{"event": "progress"}]
+
+
+def test_outside_git_the_commit_comes_from_ablate_git_sha(monkeypatch):
+    """A copy of the tree on a GPU host has no .git; the session that sent it names the commit."""
+    import subprocess
+
+    from ablate import job
+
+    def no_git(*args, **kwargs):
+        raise subprocess.CalledProcessError(128, "git")
+
+    monkeypatch.setattr(job.subprocess, "run", no_git)
+    monkeypatch.setenv("ABLATE_GIT_SHA", "abc1234")
+    assert job.git_sha.__wrapped__() == "abc1234"
+    monkeypatch.delenv("ABLATE_GIT_SHA")
+    assert job.git_sha.__wrapped__() is None
