@@ -147,3 +147,28 @@ def test_empty_directory_exits_1_with_a_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "no result.json found" in proc.stderr
+
+
+def test_option_keys_that_vary_within_an_option_become_labelled_columns(tmp_path):
+    """checkpoint=layers with different `types`, and an optimizer key, are told apart; keys that
+    only differ because the option differs (sgd's lr vs adamw's) are not columns."""
+    def write(name, checkpoint, rung, **keys):
+        config = {"batch_size": 8, "rung": rung, "accumulation": {"steps": 1},
+                  "checkpoint": {"_target_": "x", **({"types": keys["types"]} if "types" in keys else {})},
+                  "optimizer": {"_target_": "y", "lr": keys.get("lr", 6e-4), "in_backward": keys.get("ib", False)}}
+        r = results.make(name, "ok", None, {**BASE, "checkpoint": checkpoint, "optimizer": keys.get("opt", "adamw")},
+                         config, [], metrics={"peak_allocated_mib": 100.0 - rung, "train_latency_s": 1.0})
+        results.write_json(tmp_path / name / "result.json", r)
+
+    write("a", "none", 0)
+    write("b", "layers", 1, types=["gelu"])
+    write("c", "layers", 2, types=["layernorm", "gelu"])
+    write("d", "none", 3, ib=True)
+    write("e", "none", 4, opt="sgd", lr=0.1)
+    df = load([tmp_path])
+    labels = tables.varied(df)
+    assert labels == ["optimizer", "checkpoint", "optimizer.in_backward", "checkpoint.types"]
+    assert main([str(tmp_path), "--table", "setting"]) == 0
+    t = _setting(tmp_path)
+    assert list(t["Setting"]) == ["Baseline (batch size = 8)", "+ Layer-type recompute (gelu)",
+                                  "+ Layer-type recompute (layernorm, gelu)", "+ Optimizer step in backward", "+ SGD"]
