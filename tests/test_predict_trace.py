@@ -93,12 +93,21 @@ def test_ddp_rank_is_a_single_process_plus_one_gradient_copy_of_buckets(single):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp_rank_holds_a_shard_of_the_states(single, nproc):
     fsdp = trace(compose_config([*SMALL, "parallel=fsdp", f"parallel.nproc={nproc}"]))
-    # gpt-mini's dim-0 sizes all divide by 4, so every AdamW state tensor (and the step's
-    # temporaries) is exactly 1/nproc of the single process's; only the 0-d fp32 step counters
-    # (one per parameter tensor, on the host device) are whole on every rank.
+    # gpt-mini's dim-0 sizes all divide by 4, so every AdamW state tensor is exactly 1/nproc of the
+    # single process's; only the 0-d fp32 step counters (one per parameter tensor, on the host
+    # device) are whole on every rank.
     steps = len(list(meta_model(SMALL).parameters())) * 4 / 2**20
-    assert fsdp.category_max_mib["optimizer"] == \
-        pytest.approx((single.category_max_mib["optimizer"] - steps) / nproc + steps, rel=1e-12)
+    assert fsdp.steady_mib["optimizer"] == \
+        pytest.approx((single.steady_mib["optimizer"] - steps) / nproc + steps, rel=1e-12)
+    # The step's temporaries are torch's own: from 2.13 the foreach step on DTensor shards them
+    # too. torch 2.11 keeps more (2.625 MiB per rank at nproc=2 against 1.875 MiB in one process,
+    # seen on 2.11.0): bounded there by the single process's temporaries plus two blocks' weights.
+    temporaries = fsdp.category_max_mib["optimizer"] - fsdp.steady_mib["optimizer"]
+    single_temporaries = single.category_max_mib["optimizer"] - single.steady_mib["optimizer"]
+    if torch.__version__ >= "2.13":
+        assert temporaries == pytest.approx(single_temporaries / nproc, rel=1e-9)
+    else:
+        assert 0 < temporaries < single_temporaries + 2 * 12 * 192**2 * 4 / 2**20
     assert fsdp.category_max_mib["grads"] < single.category_max_mib["grads"] / nproc * 1.5
     # Parameters: the resident shard plus the block being all-gathered and the root's
     # unsharded embeddings, so more than 1/nproc but well under the whole model.
