@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch is installed first and on its own: on the CPU-only machines this project is developed on,
 # `torch==2.13.0` resolves to a local CPU wheel, while a bare `torch` would pull gigabytes of CUDA
-# packages. pyproject accepts any torch>=2.6, so an already-installed torch is kept.
+# packages. pyproject needs torch>=2.11: an installed torch that new is kept, an older one replaced.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= outputs/sweeps/demo
 
@@ -15,7 +15,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.torch: | $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch; assert torch.__version__ >= '2.11'" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch

@@ -1,6 +1,8 @@
 """offload options: activation offload keeps the math; device-only options are invalid rows on CPU."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -45,3 +47,11 @@ def test_offload_rules_by_plan():
     Params().check(sharded)
     with pytest.raises(Invalid, match="needs parallel=fsdp"):
         Params().check(cuda)
+
+
+def test_optimizer_offload_without_a_working_torchao_says_why(monkeypatch):
+    cuda = Plan(device="cuda", batch_size=8, seq_len=16)
+    for name in ("torchao", "torchao.optim"):  # as if not installed, or built for another torch
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(Invalid, match=r"^offload=optimizer needs torchao \(.*torchao.*\): pip install 'ablate\[ao\]'$"):
+        OptimizerState().check(cuda)

@@ -47,8 +47,8 @@ class OptimizerState(NoOffload):
             raise Invalid("offload=optimizer with optimizer.in_backward=true: the offloaded step runs after backward")
         try:
             import torchao.optim  # noqa: F401
-        except ImportError:
-            raise Invalid("offload=optimizer needs torchao: pip install 'ablate[ao]'") from None
+        except ImportError as e:  # not installed, or built for another torch
+            raise Invalid(f"offload=optimizer needs torchao ({e}): pip install 'ablate[ao]'") from None
 
     def build_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
         from torchao.optim import CPUOffloadOptimizer
