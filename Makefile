@@ -4,8 +4,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch is installed first and on its own: on the CPU-only machines this project is developed on,
 # `torch==2.13.0` resolves to a local CPU wheel, while a bare `torch` would pull gigabytes of CUDA
-# packages. pyproject needs torch>=2.11: an installed torch that new is kept, an older one replaced.
+# packages. pyproject needs torch>=$(TORCH_FLOOR): an installed torch that new is kept, an older one
+# replaced. Versions compare as (major, minor) numbers: as strings, '2.9.1' >= '2.11' would hold.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_FLOOR := 2.11
 DEMO_DIR ?= outputs/sweeps/demo
 
 .PHONY: demo test install install-dev clean
@@ -15,7 +17,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.torch: | $(PY)
-	$(PY) -c "import torch; assert torch.__version__ >= '2.11'" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import sys, importlib.metadata as m; ver = lambda v: tuple(int(x) for x in v.split('+')[0].split('.')[:2]); sys.exit(ver(m.version('torch')) < ver('$(TORCH_FLOOR)'))" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch

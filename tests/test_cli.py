@@ -131,3 +131,19 @@ def test_submitit_local_runs_points_one_at_a_time(tmp_path):
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert rows[0]["timing"]["finished_at"] <= rows[1]["timing"]["started_at"]  # no overlap
     assert (tmp_path / "s" / ".submitit").is_dir()
+
+
+def test_makefile_keeps_only_a_torch_as_new_as_pyproject_asks():
+    """`make` keeps an installed torch when it meets pyproject's floor; the two floors must agree, and
+    the Makefile's check must compare versions as numbers ('2.9.1' >= '2.11' as strings)."""
+    import re
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (floor,) = [r.split(">=")[1] for r in pyproject["project"]["dependencies"] if r.startswith("torch>=")]
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^TORCH_FLOOR := (\S+)$", makefile, re.M).group(1) == floor
+    check = re.search(r'\$\(PY\) -c "(import sys, importlib.*?)" 2>', makefile).group(1)
+    for version, keep in [("2.9.1", False), ("2.10.0", False), (floor + ".0", True), ("2.13.0+cpu", True)]:
+        code = check.replace("m.version('torch')", repr(version)).replace("$(TORCH_FLOOR)", floor)
+        assert (subprocess.run([sys.executable, "-c", code]).returncode == 0) is keep, version
