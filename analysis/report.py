@@ -40,12 +40,12 @@ def sections(df: pd.DataFrame, labels: list[str], base_i: int, which: tuple[str,
         out.append(("All runs", tables.full(df, labels, base_i)))
         effects = tables.marginal(df, labels)
         if not effects.empty and (effects["Pairs"] != "0").any():
-            out.append(("Marginal effects (median change against each group's do-nothing option)", effects))
+            out.append(("Marginal effects (median change against each group's reference option)", effects))
     return out
 
 
 def markdown(table: pd.DataFrame, labels: list[str]) -> str:
-    align = ["left" if c in labels or c in ("Setting", "Group", "Option", "Status") else "right"
+    align = ["left" if c in labels or c in ("Setting", "Group", "Option", "Against", "Status") else "right"
              for c in table.columns]
     return table.to_markdown(index=False, colalign=align, disable_numparse=True)
 

@@ -12,6 +12,11 @@ from analysis.load import RUN_KEYS
 # The do-nothing option of each group: a run's label lists only what differs from these.
 BASELINE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
             "offload": "none", "parallel": "single"}
+# What a grid without a group's do-nothing option is compared against, in order of preference: a
+# `parallel=fsdp,ddp` sweep asks how FSDP does against DDP, a `precision=bf16,bf16_pure` one what
+# pure bf16 saves over AMP.
+FALLBACK = {"parallel": ("ddp",), "precision": ("tf32", "bf16"),
+            "optimizer": ("adamw_foreach", "adamw_fused", "adamw_forloop")}
 NAMES = {
     ("checkpoint", "block"): "Block recompute", ("checkpoint", "every2"): "Recompute every 2nd block",
     ("checkpoint", "attention"): "Attention recompute", ("checkpoint", "mlp"): "MLP recompute",
@@ -70,16 +75,33 @@ def failed(row: pd.Series) -> str:
     return "OOM" if row["status"] == "oom" else row["status"]
 
 
+def references(df: pd.DataFrame, labels: list[str]) -> dict[str, str]:
+    """Each varied group's reference option among the runs: its do-nothing option, else the first
+    of its FALLBACK options present; a group with neither has no reference."""
+    refs = {}
+    for group in (g for g in labels if g in BASELINE):
+        present = set(df[group].astype(str))
+        ref = next((o for o in (BASELINE[group], *FALLBACK.get(group, ())) if o in present), None)
+        if ref is not None:
+            refs[group] = ref
+    return refs
+
+
 def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> int:
-    """The row every delta is taken against: `--baseline key=value,...`, else the run whose varied
-    groups are all at their do-nothing option (smallest batch first), else the first row."""
-    want = baseline or {g: BASELINE[g] for g in labels if g in BASELINE}
-    match = df
-    for key, value in want.items():
-        match = match[match[key].astype(str) == str(value)]
-    if baseline and match.empty:
-        raise ValueError(f"--baseline {baseline}: no run matches (varied: {', '.join(labels)})")
-    return (match if not match.empty else df).index[0]
+    """The row every delta is taken against: `--baseline key=value,...`, else the run with the most
+    varied groups at their reference option (all of them, where such a run exists; then the ok
+    runs, then the smallest batch: the first in row order)."""
+    if baseline:
+        match = df
+        for key, value in baseline.items():
+            match = match[match[key].astype(str) == str(value)]
+        if match.empty:
+            raise ValueError(f"--baseline {baseline}: no run matches (varied: {', '.join(labels)})")
+        return match.index[0]
+    refs = references(df, labels)
+    at_reference = sum((df[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
+    score = pd.DataFrame({"refs": at_reference, "ok": (df["status"] == "ok").astype(int)}, index=df.index)
+    return score.sort_values(["refs", "ok"], ascending=False, kind="stable").index[0]
 
 
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
@@ -96,7 +118,8 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
         elif col == "parallel":
             world = row.get("env_world_size")
             world = world if pd.notna(world) else row.get("parallel.nproc")  # an invalid row never ran
-            parts.append(f"{str(row[col]).upper()} ({int(float(world))} processes)" if _number(world)
+            n = int(float(world)) if _number(world) else None
+            parts.append(f"{str(row[col]).upper()} ({n} process{'es' if n != 1 else ''})" if n
                          else str(row[col]).upper())
         elif col == "checkpoint.types" and parts and parts[-1] == NAMES[("checkpoint", "layers")]:
             parts[-1] += f" ({row[col].replace(',', ', ')})"  # "Layer-type recompute (layernorm, gelu)"
@@ -110,6 +133,8 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
 def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = False) -> pd.DataFrame:
     """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row)."""
     base = df.loc[base_i]
+    if not ladder:  # published tables open with the baseline; a ladder keeps its rung order
+        df = pd.concat([df.loc[[base_i]], df.drop(index=base_i)])
     rows, prev, prev_any = [], None, None
     for _, row in df.iterrows():
         ok = row["status"] == "ok"
@@ -186,13 +211,14 @@ def full(df: pd.DataFrame, labels: list[str], base_i: int) -> pd.DataFrame:
 
 def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     """For each varied group and option: the median change in memory, time and loss against the
-    group's do-nothing option, over pairs of ok runs that are equal in every other varied column."""
+    group's reference option (references()), over pairs of ok runs that are equal in every other
+    varied column. The rows name the reference ("fsdp vs ddp")."""
     rows = []
-    for group in [g for g in labels if g in BASELINE]:
+    for group, reference in references(df, labels).items():
         others = [c for c in labels if c != group]
         ok = df[df["status"] == "ok"]
-        base = ok[ok[group] == BASELINE[group]].set_index(others) if others else ok[ok[group] == BASELINE[group]]
-        for option in sorted(set(df[group]) - {BASELINE[group]}):
+        base = ok[ok[group] == reference].set_index(others) if others else ok[ok[group] == reference]
+        for option in sorted(set(df[group]) - {reference}):
             runs = ok[ok[group] == option]
             pairs = []
             for _, run in runs.iterrows():
@@ -205,7 +231,7 @@ def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
                 pairs.append([_pct(run[m], ref[m]) for m in (MEMORY, "iter_time_ms", "loss_final")])
             failed_runs = int((df[group] == option).sum() - len(runs))
             med = pd.DataFrame(pairs).median() if pairs else pd.Series([float("nan")] * 3)
-            rows.append({"Group": group, "Option": option, "Δ memory (median)": _signed(med.iloc[0]),
+            rows.append({"Group": group, "Option": option, "Against": reference, "Δ memory (median)": _signed(med.iloc[0]),
                          "Δ iteration time (median)": _signed(med.iloc[1]), "Δ final loss (median)": _signed(med.iloc[2]),
                          "Pairs": str(len(pairs)), "Not ok": str(failed_runs)})
     return pd.DataFrame(rows)

@@ -102,9 +102,39 @@ def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
     assert (sgd["Peak allocated (MiB)"], sgd["Final loss"], sgd["Δ loss vs baseline"]) == ("600.0", "3.3000", "+10.0%")
     m = tables.marginal(df, labels).set_index(["Group", "Option"])
     # sgd vs adamw: memory -40% (none) and -57.1% (block), time -10% and -7.7%: medians of the 2 pairs
-    assert m.loc[("optimizer", "sgd")].tolist() == ["-48.6%", "-8.8%", "+10.0%", "2", "0"]
+    assert m.loc[("optimizer", "sgd")].tolist() == ["adamw", "-48.6%", "-8.8%", "+10.0%", "2", "0"]
     assert m.loc[("checkpoint", "block")]["Δ memory (median)"] == "-40.0%"
     assert m.loc[("optimizer", "adafactor")]["Not ok"] == "1"
+
+
+def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_reference(tmp_path, capsys):
+    """`-m parallel=fsdp,ddp checkpoint=none,block` has no single-process run: DDP is the reference,
+    the baseline is none+ddp (not whichever row sorts first) and the Setting table opens with it."""
+    for par, ckpt, peak in (("ddp", "none", 1000), ("fsdp", "none", 800), ("ddp", "block", 600),
+                            ("fsdp", "block", 400)):
+        _write(tmp_path, f"{par}-{ckpt}", peak=peak, latency=10.0, parallel=par, checkpoint=ckpt)
+    assert main([str(tmp_path), "--table", "setting", "--table", "full"]) == 0
+    out = capsys.readouterr().out
+    settings = [ln.split("|")[1:4] for ln in out.split("## All runs")[0].splitlines() if ln.startswith("| ")][1:]
+    assert [[c.strip() for c in row] for row in settings] == [
+        ["Baseline (batch size = 128)", "1,000", "10.00"], ["+ Block recompute", "600", "10.00"],
+        ["+ Block recompute + FSDP (1 process)", "400", "10.00"], ["+ FSDP (1 process)", "800", "10.00"]]
+    m = tables.marginal(load([tmp_path]), ["checkpoint", "parallel"]).set_index(["Group", "Option"])
+    assert m.loc[("parallel", "fsdp")].tolist() == ["ddp", "-26.7%", "+0.0%", "+0.0%", "2", "0"]  # -20%, -33%
+    assert m.loc[("checkpoint", "block")][["Against", "Pairs"]].tolist() == ["none", "2"]
+
+
+def test_the_baseline_is_the_run_most_at_reference_then_an_ok_one(tmp_path):
+    def base(*labels):
+        df = load([tmp_path]).sort_values(list(labels)).reset_index(drop=True)
+        return df.loc[tables.baseline_index(df, list(labels), None), "run_id"]
+
+    _write(tmp_path, "a", status="oom", reason="CUDA out of memory", optimizer="adamw", precision="fp32")
+    _write(tmp_path, "b", peak=100, latency=1.0, optimizer="sgd", precision="fp32")
+    _write(tmp_path, "c", status="oom", reason="CUDA out of memory", optimizer="adamw", precision="bf16")
+    assert base("optimizer", "precision") == "a"  # the reference itself, even though it ran out of memory
+    (tmp_path / "a" / "result.json").unlink()
+    assert base("optimizer", "precision") == "b"  # b and c each have one reference option; b is ok
 
 
 def test_gpu_name_becomes_a_column_when_it_varies(tmp_path):
