@@ -1,12 +1,14 @@
 """`python -m ablate [-m] group=option,... key=value`: compose conf/, run each grid point as a job."""
 from pathlib import Path
 
+import sys
+
 import hydra
 import hydra_plugins
 from omegaconf import DictConfig
 
 import launch
-from ablate.schema import register
+from ablate.schema import register, unknown_key
 
 register()
 # Hydra finds launchers by listing the `hydra_plugins` namespace folders. An editable install maps
@@ -25,4 +27,7 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    error = unknown_key(sys.argv[1:])
+    if error:
+        sys.exit(error)
     main()

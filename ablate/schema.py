@@ -6,8 +6,9 @@ class's __init__ arguments (ablate/techniques/); instantiating them checks those
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, Optional
 
@@ -87,6 +88,33 @@ def short_dirname(name: str, limit: int = 200) -> str:
         return name
     digest = hashlib.sha1(name.encode()).hexdigest()[:10]
     return name.encode()[:limit - 12].decode(errors="ignore") + ",~" + digest
+
+
+def unknown_key(argv: list[str]) -> str | None:
+    """The error for a command line that sets a key the schema does not have, naming the valid
+    keys (Hydra's own says only "Key 'batch_sz' not in 'Config'"); None when every key is known.
+    Group options' own keys (optimizer.lr) are checked by their classes when a point runs."""
+    from hydra._internal.utils import get_args_parser  # the parser hydra.main itself uses
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(argv)[0].overrides)
+    except Exception:  # a syntax error: Hydra reports it better
+        return None
+    top = [f.name for f in fields(Config)] + ["experiment", "hydra"]
+    model = [f.name for f in fields(ModelConf)]
+    for o in overrides:
+        if o.is_add() or o.is_delete() or o.is_force_add():
+            continue
+        head, _, rest = o.key_or_group.replace("/", ".").partition(".")
+        key, valid = (rest.split(".")[0], model) if head == "model" and rest else (head, top)
+        if key not in valid:
+            prefix = "model." if valid is model else ""
+            close = [prefix + k for k in difflib.get_close_matches(key, valid, n=1)]
+            return (f"unknown key '{o.key_or_group}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+                    + f". Valid {prefix or 'top-level '}keys: {', '.join(prefix + k for k in sorted(valid))}. "
+                    "See the whole config with `python -m ablate --cfg job`.")
+    return None
 
 
 def register() -> None:

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
 from ablate.build import TECHNIQUE_GROUPS, Techniques, check_config
-from ablate.schema import GROUPS
+from ablate.schema import GROUPS, unknown_key
 from ablate.techniques import Invalid
 from helpers import CONF, ROOT, compose_config
 
@@ -64,6 +64,18 @@ def test_unknown_option_names_the_valid_choices():
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "optimizer/adamx" in out.stderr and "adamw" in out.stderr and "sgd" in out.stderr
+
+
+def test_unknown_key_names_the_valid_keys_and_the_closest():
+    out = subprocess.run([sys.executable, "-m", "ablate", "-m", "seq_length=8,16", "--cfg", "job"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "unknown key 'seq_length' (did you mean 'seq_len'?)" in out.stderr
+    assert all(k in out.stderr for k in ("batch_size", "steps", "optimizer", "predict_only"))
+    assert "did you mean 'model.n_layer'?" in unknown_key(["model.n_layr=2"])
+    # Known keys, groups, Hydra's own keys and flags, option keys and explicit additions pass.
+    assert unknown_key(["-m", "--cfg", "job", "hydra/launcher=slurm", "hydra.sweep.dir=x", "optimizer=sgd,adamw",
+                        "optimizer.lr=0.1", "model.n_layer=2", "experiment=demo", "+extra=1", "~seed"]) is None
 
 
 def test_cfg_job_prints_the_composed_config():
