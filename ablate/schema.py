@@ -10,6 +10,7 @@ import difflib
 import hashlib
 from dataclasses import dataclass, fields
 from enum import Enum
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -90,10 +91,18 @@ def short_dirname(name: str, limit: int = 200) -> str:
     return name.encode()[:limit - 12].decode(errors="ignore") + ",~" + digest
 
 
+def _option_keys(group: str) -> list[str]:
+    """Every key any option of `group` takes (conf/<group>/*.yaml), for checking a command line."""
+    conf = Path(__file__).resolve().parent.parent / "conf" / group
+    keys = {k for path in conf.glob("*.yaml") for k in OmegaConf.load(path) if not str(k).startswith("_")}
+    return sorted(keys)
+
+
 def unknown_key(argv: list[str]) -> str | None:
-    """The error for a command line that sets a key the schema does not have, naming the valid
-    keys (Hydra's own says only "Key 'batch_sz' not in 'Config'"); None when every key is known.
-    Group options' own keys (optimizer.lr) are checked by their classes when a point runs."""
+    """The error for a command line that sets a key no config has, naming the closest key and the
+    valid ones (Hydra's own says only "Key 'batch_sz' not in 'Config'", or suggests `+key` for an
+    option's key); None when every key is known. A key that another option of the same group takes
+    (optimizer.momentum under adamw) is left to Hydra, whose error then names the option."""
     from hydra._internal.utils import get_args_parser  # the parser hydra.main itself uses
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -101,18 +110,19 @@ def unknown_key(argv: list[str]) -> str | None:
         overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(argv)[0].overrides)
     except Exception:  # a syntax error: Hydra reports it better
         return None
-    top = [f.name for f in fields(Config)] + ["experiment", "hydra"]
-    model = [f.name for f in fields(ModelConf)]
     for o in overrides:
         if o.is_add() or o.is_delete() or o.is_force_add():
             continue
         head, _, rest = o.key_or_group.replace("/", ".").partition(".")
-        key, valid = (rest.split(".")[0], model) if head == "model" and rest else (head, top)
+        if head in GROUPS and rest:
+            prefix, key = head + ".", rest.split(".")[0]
+            valid = [f.name for f in fields(ModelConf)] if head == "model" else _option_keys(head)
+        else:
+            prefix, key, valid = "", head, [f.name for f in fields(Config)] + ["experiment", "hydra"]
         if key not in valid:
-            prefix = "model." if valid is model else ""
             close = [prefix + k for k in difflib.get_close_matches(key, valid, n=1)]
             return (f"unknown key '{o.key_or_group}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-                    + f". Valid {prefix or 'top-level '}keys: {', '.join(prefix + k for k in sorted(valid))}. "
+                    + f". Valid {prefix[:-1] or 'top-level'} keys: {', '.join(prefix + k for k in sorted(valid))}. "
                     "See the whole config with `python -m ablate --cfg job`.")
     return None
 

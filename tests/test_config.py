@@ -73,9 +73,11 @@ def test_unknown_key_names_the_valid_keys_and_the_closest():
     assert "unknown key 'seq_length' (did you mean 'seq_len'?)" in out.stderr
     assert all(k in out.stderr for k in ("batch_size", "steps", "optimizer", "predict_only"))
     assert "did you mean 'model.n_layer'?" in unknown_key(["model.n_layr=2"])
+    assert "did you mean 'optimizer.lr'?" in unknown_key(["optimizer=sgd", "optimizer.lrr=0.1"])
+    assert "checkpoint.every_n" in unknown_key(["checkpoint.evry_n=3"])
     # Known keys, groups, Hydra's own keys and flags, option keys and explicit additions pass.
     assert unknown_key(["-m", "--cfg", "job", "hydra/launcher=slurm", "hydra.sweep.dir=x", "optimizer=sgd,adamw",
-                        "optimizer.lr=0.1", "model.n_layer=2", "experiment=demo", "+extra=1", "~seed"]) is None
+                        "optimizer.lr=0.1", "optimizer.momentum=0.9", "model.n_layer=2", "experiment=demo", "+extra=1", "~seed"]) is None
 
 
 def test_cfg_job_prints_the_composed_config():
