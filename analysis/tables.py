@@ -205,7 +205,8 @@ def full(df: pd.DataFrame, labels: list[str], base_i: int) -> pd.DataFrame:
         out["Predicted peak (MiB)"] = [num(v, ",.1f") for v in df["predicted_peak_mib"]]
         out["Prediction error"] = [delta(p, m) if good else "" for p, m, good
                                    in zip(df["predicted_peak_mib"], df[MEMORY], ok)]
-    out["Status"] = [s if s == "ok" else f"{s}: {r}" for s, r in zip(df["status"], df["reason"])]
+    out["Status"] = [f"{s}: {r}" if s != "ok" and isinstance(r, str) and r else s
+                     for s, r in zip(df["status"], df["reason"])]  # a predicted row has no reason
     return out
 
 

@@ -137,6 +137,15 @@ def test_the_baseline_is_the_run_most_at_reference_then_an_ok_one(tmp_path):
     assert base("optimizer", "precision") == "b"  # b and c each have one reference option; b is ok
 
 
+def test_status_cell_gives_a_reason_only_when_there_is_one(tmp_path):
+    _write(tmp_path, "p", status="predicted", optimizer="adamw")
+    _write(tmp_path, "o", status="oom", reason="CUDA out of memory", optimizer="sgd")
+    _write(tmp_path, "k", peak=100, latency=1.0, optimizer="adafactor")
+    df = load([tmp_path]).sort_values("optimizer").reset_index(drop=True)
+    full = tables.full(df, ["optimizer"], 0)
+    assert list(full["Status"]) == ["ok", "predicted", "oom: CUDA out of memory"]  # adafactor, adamw, sgd
+
+
 def test_gpu_name_becomes_a_column_when_it_varies(tmp_path):
     _write(tmp_path, "h100", peak=100, latency=1.0)
     _write(tmp_path, "a100", peak=100, latency=2.0, gpu="NVIDIA A100-SXM4-40GB")
