@@ -91,10 +91,16 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
             first_step_s = measure.seconds_since(start, device)
     breakdown, traced_peak = None, None
     if warmup >= 1 and t.parallel.traceable:  # the last warm-up step is traced for the breakdown (untimed)
+        # The allocator's peaks leave the traced step out: they measure training, not the tracer's
+        # dispatch mode. Earlier warm-up steps count (the first allocates the optimizer state).
+        warm_peaks = mem.peaks()
         trace = measure.traced_step(lambda: losses.append(step(warmup - 1)), model, optimizer, device)
         breakdown, traced_peak = trace.at_peak, trace.peak_mib
-    elif warmup >= 1:
-        losses.append(step(warmup - 1))
+        mem.reset()
+    else:
+        warm_peaks = {}
+        if warmup >= 1:
+            losses.append(step(warmup - 1))
     events.emit("phase", phase="measure")
     timer, start, last_report = measure.StepTimer(device), time.monotonic(), 0.0
     for k in range(warmup, warmup + steps):
@@ -106,7 +112,7 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
             events.emit("progress", step=k - warmup + 1, steps=steps, loss=losses[-1].item(),
                         elapsed_s=now - start)
             last_report = now
-    peaks = mem.peaks()
+    peaks = {k: _max([v, warm_peaks.get(k)]) for k, v in mem.peaks().items()}
     if peaks["peak_allocated_mib"] is None:  # no allocator stats on CPU: the traced tensor peak stands in
         peaks["peak_allocated_mib"] = traced_peak
     taken = optimizer_steps.count

@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import results_under, run_cli
+from ablate.data import Synthetic
+from ablate.measure import MIB, traced_step
+from ablate.train import train_step
+from helpers import results_under, run_cli, train_nano
 
 pytestmark = pytest.mark.gpu
 
@@ -38,3 +41,28 @@ def test_one_rank_on_nccl_runs_and_reports(tmp_path, parallel):
     (r,) = results_under(tmp_path)
     assert r["status"] == "ok", r["reason"]
     assert r["env"]["world_size"] == 1 and r["metrics"]["peak_reserved_mib"] > 0
+
+
+def test_the_traced_step_allocates_what_an_untraced_step_does():
+    """The worker traces one warm-up step for the breakdown and leaves it out of the allocator's
+    peaks; this checks that MemTracker's dispatch mode neither changes what a step allocates nor
+    disagrees much with the allocator about it."""
+    _, model, optimizer, t = train_nano(["model=gpt-mini"], steps=2, batch_size=8, seq_len=128, device="cuda")
+    data, device = Synthetic(vocab_size=128, train_samples=64).load(128), torch.device("cuda")
+    scaler = t.precision.grad_scaler("cuda")
+
+    def peak_of(run) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    def step():
+        train_step(model, optimizer, scaler, t, data.train_batch(2, 8), device)
+
+    plain = peak_of(step)
+    trace = []
+    traced = peak_of(lambda: trace.append(traced_step(step, model, optimizer, device)))
+    assert traced == pytest.approx(plain, rel=0.01)
+    assert trace[0].peak_mib * MIB == pytest.approx(plain, rel=0.10)
