@@ -110,6 +110,7 @@ def unknown_key(argv: list[str]) -> str | None:
         overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(argv)[0].overrides)
     except Exception:  # a syntax error: Hydra reports it better
         return None
+    errors = []
     for o in overrides:
         if o.is_add() or o.is_delete() or o.is_force_add():
             continue
@@ -121,10 +122,12 @@ def unknown_key(argv: list[str]) -> str | None:
             prefix, key, valid = "", head, [f.name for f in fields(Config)] + ["experiment", "hydra"]
         if key not in valid:
             close = [prefix + k for k in difflib.get_close_matches(key, valid, n=1)]
-            return (f"unknown key '{o.key_or_group}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-                    + f". Valid {prefix[:-1] or 'top-level'} keys: {', '.join(prefix + k for k in sorted(valid))}. "
-                    "See the whole config with `python -m ablate --cfg job`.")
-    return None
+            errors.append(f"unknown key '{o.key_or_group}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+                          + f". Valid {prefix[:-1] or 'top-level'} keys: "
+                          + ", ".join(prefix + k for k in sorted(valid)) + ".")
+    if not errors:
+        return None
+    return "\n".join(errors + ["See the whole config with `python -m ablate --cfg job`."])
 
 
 def register() -> None:

@@ -73,6 +73,8 @@ def test_unknown_key_names_the_valid_keys_and_the_closest():
     assert "unknown key 'seq_length' (did you mean 'seq_len'?)" in out.stderr
     assert all(k in out.stderr for k in ("batch_size", "steps", "optimizer", "predict_only"))
     assert "did you mean 'model.n_layer'?" in unknown_key(["model.n_layr=2"])
+    both = unknown_key(["batch_sz=8", "seq_len=16", "model.n_layr=2"])  # every typo at once, one line each
+    assert "'batch_sz' (did you mean 'batch_size'?)" in both.splitlines()[0] and "'model.n_layer'" in both.splitlines()[1]
     assert "did you mean 'optimizer.lr'?" in unknown_key(["optimizer=sgd", "optimizer.lrr=0.1"])
     assert "checkpoint.every_n" in unknown_key(["checkpoint.evry_n=3"])
     # Known keys, groups, Hydra's own keys and flags, option keys and explicit additions pass.
