@@ -28,16 +28,22 @@ def _parse_baseline(text: str | None) -> dict[str, str] | None:
     return dict(pairs)
 
 
-def sections(df: pd.DataFrame, labels: list[str], base_i: int, which: tuple[str, ...],
-             ladder: bool) -> list[tuple[str, pd.DataFrame]]:
-    """(title, table) in reading order."""
+def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple[str, ...], ladder: bool,
+             by: list[str] | None = None) -> list[tuple[str, pd.DataFrame]]:
+    """(title, table) in reading order. `bases`: each row's baseline row (tables.baselines); the
+    setting table comes once per model, labelled by what varies within it (or `by`)."""
     out = []
-    if "setting" in which:
-        out.append(("Setting" + (" (ladder)" if ladder else ""), tables.setting(df, labels, base_i, ladder)))
+    if "setting" in which and ladder:
+        out.append(("Setting (ladder)", tables.setting(df, labels, bases.iloc[0], ladder=True)))
+    elif "setting" in which:
+        for model, part in tables.by_model(df):
+            part_labels = labels if model is None else ([c for c in by if c != "model"] if by else tables.varied(part))
+            title = "Setting" + (f": model={model}" if model is not None else "")
+            out.append((title, tables.setting(part, part_labels or labels, bases[part.index[0]])))
     if "batch" in which and "batch_size" in labels:
         out += [(f"Batch size scan: {title}", t) for title, t in tables.batch(df, labels).items()]
     if "full" in which:
-        out.append(("All runs", tables.full(df, labels, base_i)))
+        out.append(("All runs", tables.full(df, labels, bases)))
         effects = tables.marginal(df, labels)
         if not effects.empty and (effects["Pairs"] != "0").any():
             out.append(("Marginal effects (median change against each group's reference option)", effects))
@@ -83,21 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     if df["rung"].notna().any():  # an experiment's rungs (hydra/sweeper=ladder) in the order it lists them
         df = df.sort_values("rung", kind="stable")
     df = df.reset_index(drop=True)
-    try:
-        base_i = tables.baseline_index(df, labels, _parse_baseline(args.baseline))
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
     if args.ladder:  # a ladder's rows in rung order (above), else in the order they ran
         if df["rung"].isna().all():
             df = df.sort_values("finished_at", kind="stable").reset_index(drop=True)
-        base_i = df.index[0]
+        bases = pd.Series(df.index[0], index=df.index)  # its first rung
+    else:
+        try:
+            bases = tables.baselines(df, labels, _parse_baseline(args.baseline))
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     out = Path(args.out) if args.out else Path(args.paths[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
     from analysis.plots import all_plots  # matplotlib only when plotting
 
     images = all_plots(df, labels, out)
-    parts = sections(df, labels, base_i, tuple(args.table or TABLES), args.ladder)
+    parts = sections(df, labels, bases, tuple(args.table or TABLES), args.ladder, args.by)
     text = render(f"ablate report: {len(df)} runs", parts, labels, images)
     (out / "report.md").write_text(text)
     df.to_csv(out / "runs.csv", index=False)
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         write(out / "report.html", html)
         print(html)
     elif args.format == "csv":
-        tables.full(df, labels, base_i).to_csv(sys.stdout, index=False)
+        tables.full(df, labels, bases).to_csv(sys.stdout, index=False)
     else:
         print(text)
     print(f"wrote {out}/report.md, runs.csv{', report.html' if args.format == 'html' else ''} and "

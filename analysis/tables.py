@@ -104,6 +104,29 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     return score.sort_values(["refs", "ok"], ascending=False, kind="stable").index[0]
 
 
+def by_model(df: pd.DataFrame) -> list[tuple[str | None, pd.DataFrame]]:
+    """The runs split by model, in the order the models first appear: a delta between two models
+    says nothing about a technique. One part (model None) when only one model ran."""
+    if df["model"].nunique() <= 1:
+        return [(None, df)]
+    return [(model, df[df["model"] == model]) for model in df["model"].unique()]
+
+
+def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> pd.Series:
+    """Each row's baseline row (an index of df): one per model. `--baseline` picks it in every
+    model that has a matching run, and must match some run."""
+    if baseline:
+        baseline_index(df, labels, baseline)  # raises if no run at all matches
+    out = pd.Series(0, index=df.index)
+    for _, part in by_model(df):
+        part_labels = [c for c in labels if c != "model"] or labels
+        try:
+            out[part.index] = baseline_index(part, part_labels, baseline)
+        except ValueError:  # this model has no run like that: its own default baseline
+            out[part.index] = baseline_index(part, part_labels, None)
+    return out
+
+
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'."""
     if row.name == base.name:
@@ -190,9 +213,12 @@ FULL = (
 )
 
 
-def full(df: pd.DataFrame, labels: list[str], base_i: int) -> pd.DataFrame:
-    """Every varied column and every key metric; failures keep their row with status and reason."""
-    base = df.loc[base_i]
+def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.DataFrame:
+    """Every varied column and every key metric; failures keep their row with status and reason.
+    `bases`: the baseline row of every row (baselines()), or one row for all."""
+    if not isinstance(bases, pd.Series):
+        bases = pd.Series(bases, index=df.index)
+    base_loss = df.loc[bases.values, "loss_final"].set_axis(df.index)
     out = df[labels].fillna("").astype(str)  # an option key the row's option does not have: empty
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
@@ -200,7 +226,7 @@ def full(df: pd.DataFrame, labels: list[str], base_i: int) -> pd.DataFrame:
         out[heading] = [num(v, fmt) if good else "" for v, good in zip(values, ok)]
         if column == MEMORY:  # the first metric column says how a failed run ended
             out.loc[~ok, heading] = [failed(r) for _, r in df[~ok].iterrows()]
-    out["Δ loss vs baseline"] = [delta(v, base["loss_final"]) if good else "" for v, good in zip(df["loss_final"], ok)]
+    out["Δ loss vs baseline"] = [delta(v, b) if good else "" for v, b, good in zip(df["loss_final"], base_loss, ok)]
     if df["predicted_peak_mib"].notna().any():
         out["Predicted peak (MiB)"] = [num(v, ",.1f") for v in df["predicted_peak_mib"]]
         out["Prediction error"] = [delta(p, m) if good else "" for p, m, good

@@ -146,6 +146,28 @@ def test_status_cell_gives_a_reason_only_when_there_is_one(tmp_path):
     assert list(full["Status"]) == ["ok", "predicted", "oom: CUDA out of memory"]  # adafactor, adamw, sgd
 
 
+def test_runs_of_several_models_get_a_setting_table_and_a_baseline_each(tmp_path, capsys):
+    """`python -m analysis.report outputs/` over sweeps of two models: no delta crosses models."""
+    for model, opt, peak, loss in (("gpt2", "adamw", 1000, 3.0), ("gpt2", "sgd", 600, 3.3),
+                                   ("gpt2-xl", "adamw", 9000, 2.0), ("gpt2-xl", "sgd", 4500, 2.5)):
+        _write(tmp_path, f"{model}-{opt}", peak=peak, latency=10.0, loss=loss, model=model, optimizer=opt)
+    assert main([str(tmp_path), "--table", "setting", "--table", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "## Setting: model=gpt2\n" in out and "## Setting: model=gpt2-xl\n" in out
+    xl = out.split("## Setting: model=gpt2-xl")[1].split("##")[0]
+    rows = [[c.strip() for c in ln.split("|")[1:5]] for ln in xl.splitlines() if ln.startswith("| ")][1:]
+    assert rows == [["Baseline (batch size = 128)", "9,000", "10.00", "+0.0%"], ["+ SGD", "4,500", "10.00", "-50.0%"]]
+    df = load([tmp_path]).sort_values(["model", "optimizer"]).reset_index(drop=True)
+    bases = tables.baselines(df, ["model", "optimizer"], None)
+    assert list(tables.full(df, ["model", "optimizer"], bases)["Δ loss vs baseline"]) == \
+        ["+0.0%", "+10.0%", "+0.0%", "+25.0%"]
+    # --baseline picks the run in every model that has one, and must match somewhere.
+    bases = tables.baselines(df, ["model", "optimizer"], {"optimizer": "sgd"})
+    assert list(df.loc[bases, "optimizer"]) == ["sgd"] * 4
+    with pytest.raises(ValueError, match="no run matches"):
+        tables.baselines(df, ["model", "optimizer"], {"optimizer": "lion"})
+
+
 def test_gpu_name_becomes_a_column_when_it_varies(tmp_path):
     _write(tmp_path, "h100", peak=100, latency=1.0)
     _write(tmp_path, "a100", peak=100, latency=2.0, gpu="NVIDIA A100-SXM4-40GB")
