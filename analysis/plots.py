@@ -7,6 +7,7 @@ data has nothing to show. Memory is the torch allocator's peak of allocated byte
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import matplotlib
@@ -93,7 +94,7 @@ def _pareto_oom(ax, df: pd.DataFrame, ok: pd.DataFrame, labels: list[str]) -> No
         ax.set_xlim(0, cap * 1.05)
 
 
-def pareto(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
+def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pareto.png") -> Path | None:
     """Peak memory vs iteration time per ok run, the Pareto front as a step line, OOMs at capacity."""
     if df.empty:
         return None
@@ -123,10 +124,24 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
     ax.margins(x=0.12, y=0.08)  # room for the run labels written to the right of each marker
     ax.set_xlabel("peak allocated memory (MiB" + (", log scale)" if ax.get_xscale() == "log" else ")"))
     ax.set_ylabel("iteration time (ms, median)")
-    ax.set_title(f"Memory vs. speed{_device(df)} (lower-left is better)")
+    model = f" of {df['model'].iloc[0]}" if "model" in df and df["model"].nunique() == 1 else ""
+    ax.set_title(f"Memory vs. speed{model}{_device(df)} (lower-left is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    return _save(fig, out, "pareto.png")
+    return _save(fig, out, name)
+
+
+def paretos(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path | None]:
+    """One Pareto plot per model (pareto-<model>.png when there are several): a small model beats a
+    large one in both memory and time, so a shared front would say nothing about the techniques."""
+    if "model" not in df or df["model"].nunique() <= 1:
+        return [pareto(df, labels, out)]
+    plots = []
+    for model in df["model"].unique():
+        part = df[df["model"] == model]
+        part_labels = [c for c in labels if c in part and part[c].astype(str).nunique() > 1] or ["model"]
+        plots.append(pareto(part, part_labels, out, f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', str(model))}.png"))
+    return plots
 
 
 def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
@@ -261,5 +276,5 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
 
 def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path]:
     """Every plot that has something to show; returns the PNGs written."""
-    paths = [plot(df, labels, out) for plot in (pareto, breakdown, batch_scan, loss_curves)]
+    paths = [*paretos(df, labels, out), *(plot(df, labels, out) for plot in (breakdown, batch_scan, loss_curves))]
     return [p for p in paths if p is not None]

@@ -117,3 +117,15 @@ def test_odd_data_is_drawn_without_raising(runs, tmp_path):
     bare = runs[["run_id", "status", "batch_size", "peak_allocated_mib"]]
     written = plots.all_plots(bare, ["missing_column"], tmp_path / "bare")
     assert [p.name for p in written] == ["batch_scan.png"]  # no times, breakdown or curves: the rest skip
+
+
+def test_several_models_get_a_pareto_plot_each(runs, tmp_path):
+    """A small model beats a big one in both memory and time: one shared front would hide every
+    technique of the big one. Each model gets its own plot, labelled by what varies within it."""
+    big = runs.assign(model="gpt2-xl", peak_allocated_mib=runs["peak_allocated_mib"] * 30,
+                      iter_time_ms=runs["iter_time_ms"] * 30)
+    paths = plots.paretos(pd.concat([runs, big], ignore_index=True), ["model", *LABELS], tmp_path)
+    assert [p.name for p in paths] == ["pareto-gpt-nano.png", "pareto-gpt2-xl.png"]
+    for path in paths:
+        _assert_real_png(path, path.name)
+    assert [p.name for p in plots.paretos(runs, LABELS, tmp_path / "one")] == ["pareto.png"]
