@@ -32,6 +32,7 @@ NAMES = {
     ("optimizer.in_backward", "True"): "Optimizer step in backward",
     ("parallel.backward_prefetch", "pre"): "Backward prefetch (pre)",
     ("parallel.backward_prefetch", "post"): "Backward prefetch (post)",
+    ("parallel.gradient_as_bucket_view", "True"): "Gradients as bucket views",
 }
 MEMORY = "peak_allocated_mib"
 FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "

@@ -122,6 +122,8 @@ def test_fsdp_rank_holds_a_shard_of_the_states(single, nproc):
     (["parallel=fsdp1", "parallel.nproc=2"], "parallel=fsdp1"),
     (["parallel=fsdp", "parallel.nproc=auto"], "parallel.nproc=auto"),
     (["offload=optimizer", "device=cuda"], "offload=optimizer"),
+    (["parallel=ddp", "parallel.nproc=2", "parallel.gradient_as_bucket_view=true"],
+     "parallel.gradient_as_bucket_view=true"),
 ])
 def test_untraceable_options_are_named(overrides, named):
     with pytest.raises(Untraceable, match=f"^{named}: "):

@@ -180,7 +180,8 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
     z = Sizes(params=0.0 if offloaded else sum(local.values()) * pd, grads=grads, states=states,
               step_temp=0.0 if states == 0 else _step_temp_bytes(t, groups, pd, device),
-              other=sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0)  # DDP's buckets
+              other=sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0,  # DDP's buckets
+              grads_in_buckets=isinstance(p, par.DDP) and p.gradient_as_bucket_view)
     if p.shards_params:
         reduce_d = 4 if t.precision.autocast_dtype else pd  # FSDP reduces in fp32 under autocast
 

@@ -75,6 +75,7 @@ class Sizes:
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
     micro_steps: int = 1
     in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
+    grads_in_buckets: bool = False  # DDP gradient_as_bucket_view: each gradient is copied into its bucket (`other`)
 
 
 class Step:
@@ -187,8 +188,9 @@ class Step:
 
     def grad(self, nbytes: float) -> None:
         """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
-        (briefly both), or stepped and freed at once (optimizer.in_backward)."""
-        if self.z.in_backward or (self.have_grads and not self.z.upcast):
+        (briefly both), or stepped and freed at once (optimizer.in_backward), or copied into its
+        DDP bucket, which .grad then views (gradient_as_bucket_view)."""
+        if self.z.in_backward or self.z.grads_in_buckets or (self.have_grads and not self.z.upcast):
             self.tl.transient("grads", nbytes)
         else:
             self.tl.alloc("grads", nbytes)

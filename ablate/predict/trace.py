@@ -90,6 +90,9 @@ def _check_traceable(t: Techniques) -> None:
                           f"this wrapper's parameters")
     if t.parallel.world_size < 1:
         raise Untraceable("parallel.nproc=auto: resolve the world size before tracing one rank of it")
+    if getattr(t.parallel, "gradient_as_bucket_view", False):
+        raise Untraceable("parallel.gradient_as_bucket_view=true: a single-process trace keeps whole "
+                          "gradients that DDP would copy into its buckets")
     if isinstance(t.offload, OptimizerState):
         raise Untraceable("offload=optimizer: torchao's CPUOffloadOptimizer moves gradients with real "
                           "CUDA streams and events, which fake tensors cannot stand in for")

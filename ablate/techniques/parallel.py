@@ -97,14 +97,21 @@ class _Distributed(Single):
 
 class DDP(_Distributed):
     """DistributedDataParallel: every rank holds the whole model, gradients and optimizer states;
-    gradients are all-reduced in buckets during backward. Spends: a full replica per GPU plus
-    ~2 x 25 MiB of buckets. Saves: nothing per GPU; buys throughput."""
+    gradients are all-reduced in buckets during backward. Spends: a full replica per GPU plus the
+    buckets, a second copy of every gradient. Saves: nothing per GPU; buys throughput.
+    gradient_as_bucket_view=True makes each .grad a view into its bucket: one gradient copy fewer."""
+
+    def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto",
+                 gradient_as_bucket_view: bool = False):
+        super().__init__(nproc, nodes, backend)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
 
     def wrap(self, model: nn.Module, precision, offload) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         device = next(model.parameters()).device
-        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                       gradient_as_bucket_view=self.gradient_as_bucket_view)
 
     def sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last_micro_step else model.no_sync()
