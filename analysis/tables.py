@@ -154,6 +154,17 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     return "+ " + " + ".join(parts) if parts else "Baseline (repeat)"
 
 
+def memory_delta(row: pd.Series, base: pd.Series) -> str:
+    """Δ peak memory against the baseline: measured against measured, or, for a plan made with
+    predict_only, predicted against predicted ("~-46.8%"); never one against the other."""
+    if row["status"] == "ok" and base["status"] == "ok":
+        return delta(row[MEMORY], base[MEMORY])
+    if row["status"] == "predicted" and base["status"] == "predicted":
+        change = delta(row.get("predicted_peak_mib"), base.get("predicted_peak_mib"))
+        return "~" + change if change else ""
+    return ""
+
+
 def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = False) -> pd.DataFrame:
     """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row)."""
     base = df.loc[base_i]
@@ -168,7 +179,7 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
         out = {"Setting": label,
                "GPU Memory Peak (MiB)": mib(row[MEMORY]) if ok else failed(row),
                "Training Latency (s)": num(row["train_latency_s"], ".2f") if ok else "",
-               "Δ memory vs baseline": delta(row[MEMORY], base[MEMORY]) if ok else "",
+               "Δ memory vs baseline": memory_delta(row, base),
                "Δ time vs baseline": delta(row["train_latency_s"], base["train_latency_s"]) if ok else ""}
         if ladder:
             out["Δ memory vs previous"] = delta(row[MEMORY], prev[MEMORY]) if ok and prev is not None else ""

@@ -19,7 +19,7 @@ BASE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "chec
 
 
 def _write(root, name, status="ok", peak=None, latency=None, batch=128, steps=1, finished="2026-01-01T00:00:00",
-           reason=None, gpu="NVIDIA H100 80GB HBM3", util=None, loss=3.0, tflops=10.0, **choices):
+           reason=None, gpu="NVIDIA H100 80GB HBM3", util=None, loss=3.0, tflops=10.0, predicted=None, **choices):
     metrics = {"peak_allocated_mib": peak, "train_latency_s": latency, "iter_time_ms": latency and latency * 10,
                "tokens_per_s": latency and 1000 / latency, "tflops": tflops if peak else None,
                "loss_final": loss if peak else None, "gpu_util_pct_mean": util and util[0],
@@ -27,6 +27,7 @@ def _write(root, name, status="ok", peak=None, latency=None, batch=128, steps=1,
     config = {"batch_size": batch, "accumulation": {"steps": steps}}
     r = results.make(name, status, reason, {**BASE, **choices}, config, [], metrics=metrics,
                      env={"gpu_name": gpu, "world_size": 1},
+                     prediction={"peak_mib": predicted, "breakdown_mib": None} if predicted else None,
                      timing={"started_at": None, "finished_at": finished, "wall_s": 1.0})
     results.write_json(root / name / "result.json", r)
 
@@ -166,6 +167,20 @@ def test_runs_of_several_models_get_a_setting_table_and_a_baseline_each(tmp_path
     assert list(df.loc[bases, "optimizer"]) == ["sgd"] * 4
     with pytest.raises(ValueError, match="no run matches"):
         tables.baselines(df, ["model", "optimizer"], {"optimizer": "lion"})
+
+
+def test_a_predict_only_plan_shows_predicted_deltas_and_never_mixes_them_with_measured(tmp_path):
+    for ckpt, predicted in (("none", 1000.0), ("block", 400.0)):
+        _write(tmp_path, ckpt, status="predicted", predicted=predicted, checkpoint=ckpt)
+    df = load([tmp_path]).sort_values("checkpoint").reset_index(drop=True)
+    t = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None))
+    assert t[["Setting", "GPU Memory Peak (MiB)", "Δ memory vs baseline"]].values.tolist() == [
+        ["Baseline (batch size = 128)", "~1,000 (predicted)", "~+0.0%"],
+        ["+ Block recompute", "~400 (predicted)", "~-60.0%"]]
+    _write(tmp_path, "none", peak=900, latency=1.0, predicted=1000.0, checkpoint="none")  # the baseline ran
+    df = load([tmp_path]).sort_values("checkpoint").reset_index(drop=True)
+    t = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None))
+    assert list(t["Δ memory vs baseline"]) == ["+0.0%", ""]  # a prediction is not compared with a measurement
 
 
 def test_gpu_name_becomes_a_column_when_it_varies(tmp_path):
