@@ -1,7 +1,6 @@
 """`python -m ablate [-m] group=option,... key=value`: compose conf/, run each grid point as a job."""
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import hydra
 import hydra_plugins

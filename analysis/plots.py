@@ -134,14 +134,11 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pa
 def paretos(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path | None]:
     """One Pareto plot per model (pareto-<model>.png when there are several): a small model beats a
     large one in both memory and time, so a shared front would say nothing about the techniques."""
-    if "model" not in df or df["model"].nunique() <= 1:
-        return [pareto(df, labels, out)]
-    plots = []
-    for model in df["model"].unique():
-        part = df[df["model"] == model]
-        part_labels = [c for c in labels if c in part and part[c].astype(str).nunique() > 1] or ["model"]
-        plots.append(pareto(part, part_labels, out, f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', str(model))}.png"))
-    return plots
+    from analysis.tables import by_model
+
+    return [pareto(part, part_labels, out,
+                   "pareto.png" if model is None else f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', str(model))}.png")
+            for model, part, part_labels in by_model(df, labels)]
 
 
 def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:

@@ -28,18 +28,17 @@ def _parse_baseline(text: str | None) -> dict[str, str] | None:
     return dict(pairs)
 
 
-def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple[str, ...], ladder: bool,
-             by: list[str] | None = None) -> list[tuple[str, pd.DataFrame]]:
+def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple[str, ...],
+             ladder: bool) -> list[tuple[str, pd.DataFrame]]:
     """(title, table) in reading order. `bases`: each row's baseline row (tables.baselines); the
-    setting table comes once per model, labelled by what varies within it (or `by`)."""
+    setting table comes once per model, labelled by what varies within it (tables.by_model)."""
     out = []
     if "setting" in which and ladder:
         out.append(("Setting (ladder)", tables.setting(df, labels, bases.iloc[0], ladder=True)))
     elif "setting" in which:
-        for model, part in tables.by_model(df):
-            part_labels = labels if model is None else ([c for c in by if c != "model"] if by else tables.varied(part))
+        for model, part, part_labels in tables.by_model(df, labels):
             title = "Setting" + (f": model={model}" if model is not None else "")
-            out.append((title, tables.setting(part, part_labels or labels, bases[part.index[0]])))
+            out.append((title, tables.setting(part, part_labels, bases[part.index[0]])))
     if "batch" in which and "batch_size" in labels:
         out += [(f"Batch size scan: {title}", t) for title, t in tables.batch(df, labels).items()]
     if "full" in which:
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from analysis.plots import all_plots  # matplotlib only when plotting
 
     images = all_plots(df, labels, out)
-    parts = sections(df, labels, bases, tuple(args.table or TABLES), args.ladder, args.by)
+    parts = sections(df, labels, bases, tuple(args.table or TABLES), args.ladder)
     text = render(f"ablate report: {len(df)} runs", parts, labels, images)
     (out / "report.md").write_text(text)
     df.to_csv(out / "runs.csv", index=False)

@@ -105,12 +105,18 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     return score.sort_values(["refs", "ok"], ascending=False, kind="stable").index[0]
 
 
-def by_model(df: pd.DataFrame) -> list[tuple[str | None, pd.DataFrame]]:
-    """The runs split by model, in the order the models first appear: a delta between two models
-    says nothing about a technique. One part (model None) when only one model ran."""
-    if df["model"].nunique() <= 1:
-        return [(None, df)]
-    return [(model, df[df["model"] == model]) for model in df["model"].unique()]
+def by_model(df: pd.DataFrame, labels: list[str]) -> list[tuple[str | None, pd.DataFrame, list[str]]]:
+    """(model, its runs, the labels that vary within them) per model, in the order the models first
+    appear: a delta between two models says nothing about a technique. One part (model None, the
+    labels as given) when only one model ran."""
+    if "model" not in df or df["model"].nunique() <= 1:
+        return [(None, df, labels)]
+    parts = []
+    for model in df["model"].unique():
+        part = df[df["model"] == model]
+        rest = [c for c in labels if c != "model"]
+        parts.append((model, part, [c for c in rest if part[c].astype(str).nunique() > 1] or rest or labels))
+    return parts
 
 
 def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> pd.Series:
@@ -119,8 +125,7 @@ def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | No
     if baseline:
         baseline_index(df, labels, baseline)  # raises if no run at all matches
     out = pd.Series(0, index=df.index)
-    for _, part in by_model(df):
-        part_labels = [c for c in labels if c != "model"] or labels
+    for _, part, part_labels in by_model(df, labels):
         try:
             out[part.index] = baseline_index(part, part_labels, baseline)
         except ValueError:  # this model has no run like that: its own default baseline
@@ -270,9 +275,10 @@ def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
                 pairs.append([_pct(run[m], ref[m]) for m in (MEMORY, "iter_time_ms", "loss_final")])
             failed_runs = int((df[group] == option).sum() - len(runs))
             med = pd.DataFrame(pairs).median() if pairs else pd.Series([float("nan")] * 3)
-            rows.append({"Group": group, "Option": option, "Against": reference, "Δ memory (median)": _signed(med.iloc[0]),
-                         "Δ iteration time (median)": _signed(med.iloc[1]), "Δ final loss (median)": _signed(med.iloc[2]),
-                         "Pairs": str(len(pairs)), "Not ok": str(failed_runs)})
+            rows.append({"Group": group, "Option": option, "Against": reference,
+                         "Δ memory (median)": _signed(med.iloc[0]), "Δ iteration time (median)": _signed(med.iloc[1]),
+                         "Δ final loss (median)": _signed(med.iloc[2]), "Pairs": str(len(pairs)),
+                         "Not ok": str(failed_runs)})
     return pd.DataFrame(rows)
 
 
