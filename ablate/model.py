@@ -5,12 +5,14 @@ checkpoints map onto it one to one (see ablate/hf.py) and techniques can find bl
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 
 @dataclass
@@ -144,3 +146,25 @@ class GPT(nn.Module):
         # The loss is taken in fp32 whatever the compute dtype: (B*T, vocab) logits upcast.
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
         return logits, loss
+
+
+class _SkipInit(TorchFunctionMode):
+    """Returns torch.nn.init's initialisers' tensor untouched (normal_, uniform_, kaiming_uniform_,
+    ...: each dispatches through torch function modes with its tensor as the first argument)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Modules built here have shapes and dtypes but no storage, and no values: their
+    initialisers are skipped. Running them would give nothing (meta tensors hold no values), and
+    on meta they go through torch._refs, whose first call imports torch._dynamo: 1.1 s of every
+    `python -m ablate` start on a CPU, spent on a random init of nothing."""
+    with torch.device("meta"), _SkipInit():
+        yield
+

@@ -16,7 +16,7 @@ from ablate.capacity import MemoryLimit
 from ablate.data import TokenData
 from ablate.events import EventWriter
 from ablate.hardware import flops_per_token, peak_tflops
-from ablate.model import GPT
+from ablate.model import GPT, on_meta
 from ablate.techniques import Invalid
 from ablate.train import evaluate, train_step
 
@@ -134,7 +134,7 @@ def metrics(cfg: dict, t: Techniques, run: Trained, ranks: list[dict], eval_loss
     seconds = max(sum(r["times_ms"]) for r in ranks) / 1e3  # the slowest rank sets the pace
     tokens = run.steps * B * world * T
     mc = gpt_config(cfg["model"])
-    with torch.device("meta"):  # parameter count without touching the (possibly sharded) model
+    with on_meta():  # parameter count without touching the (possibly sharded) model
         n = GPT(mc).num_params(non_embedding=True)
     tflops = flops_per_token(n, mc.n_layer, mc.n_embd, T) * tokens / seconds / world / 1e12 if seconds else None
     peak = peak_tflops(gpu_name, t.precision.compute_dtype, cfg.get("peak_tflops"))

@@ -1,11 +1,14 @@
 """The model is GPT-2: its sizes, its parameter counts, and its logits next to Hugging Face's."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from ablate.model import GPT, SIZES, GPTConfig
-from helpers import compose_config
+from ablate.model import GPT, SIZES, GPTConfig, on_meta
+from helpers import ROOT, compose_config
 
 # GPT-2's published parameter counts (tied embeddings, vocab 50257, 1024 positions).
 GPT2_PARAMS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
@@ -15,10 +18,29 @@ GPT2_PARAMS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 77
 @pytest.mark.parametrize("name", list(GPT2_PARAMS))
 def test_gpt2_parameter_counts(name):
     cfg = compose_config([f"model={name}"])["model"]
-    with torch.device("meta"):  # shapes only: no memory, even for gpt2-xl
+    with on_meta():  # shapes only: no memory, even for gpt2-xl
         model = GPT(GPTConfig(cfg["n_layer"], cfg["n_head"], cfg["n_embd"]))
     assert model.num_params() == GPT2_PARAMS[name]
+    assert {p.device.type for p in model.parameters()} == {"meta"}
     assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"]) == SIZES[name]
+
+
+def test_a_model_on_meta_has_the_real_shapes_and_skips_the_initialisers():
+    cfg = GPTConfig(2, 2, 32, vocab_size=100, block_size=16)
+    with on_meta():
+        meta = GPT(cfg)
+    real = GPT(cfg)
+    assert [(n, p.shape, p.dtype) for n, p in meta.named_parameters()] == \
+        [(n, p.shape, p.dtype) for n, p in real.named_parameters()]
+    assert meta.lm_head.weight is meta.transformer.wte.weight
+    assert real.transformer.wte.weight.std() > 0  # outside, the initialisers run as before
+    # Why skip them: on meta they go through torch._refs, which imports torch._dynamo (~1 s). A
+    # fresh process, since this one may have imported it already.
+    code = ("import sys; from ablate.model import GPT, GPTConfig, on_meta\n"
+            "with on_meta(): GPT(GPTConfig(2, 2, 32))\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_embeddings_are_tied_and_counted_once():

@@ -23,10 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from ablate.build import Techniques, gpt_config
-from ablate.model import GPT
+from ablate.model import GPT, on_meta
 from ablate.predict import Prediction
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.techniques import checkpoint as ckpt
@@ -63,7 +61,7 @@ class Shapes:
 
 def _shapes(cfg: dict, t: Techniques) -> Shapes:
     mc = gpt_config(cfg["model"])
-    with torch.device("meta"):  # shapes only: nothing is allocated
+    with on_meta():  # shapes only: nothing is allocated
         model = GPT(mc)
     params = dict(model.named_parameters())
     groups = [[tuple(p.shape) for p in g["params"]] for g in t.optimizer.param_groups(model)]

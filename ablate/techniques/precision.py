@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ablate.model import on_meta
 from ablate.techniques import Invalid, Option, Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,7 +54,7 @@ class Precision(Option):
         dtype = DTYPES[self.param_dtype]
         if not self.init_on_device:
             return make().to(device=device, dtype=dtype)  # fp32 on the host first, then moved
-        with torch.device("meta"):  # shapes only: nothing allocated anywhere
+        with on_meta():  # shapes only: nothing allocated anywhere
             model = make().to(dtype)
         model.to_empty(device=device)  # allocated once, on the device, already in `dtype`
         model.tie_weights()  # to_empty gives every parameter new storage, which unties shared ones
