@@ -167,4 +167,3 @@ def on_meta():
     `python -m ablate` start on a CPU, spent on a random init of nothing."""
     with torch.device("meta"), _SkipInit():
         yield
-

@@ -62,7 +62,11 @@ class Config:
     batch_size: int = 8  # samples per optimizer step per rank: the effective batch
     seq_len: int = 64  # tokens per sample
     steps: int = 10  # measured optimizer steps
-    warmup_steps: int = 2  # unmeasured steps; the last is traced for the breakdown (>= 2: optimizer states exist)
+    # Unmeasured steps; the last is traced for the breakdown (>= 2: optimizer states exist). At 2
+    # the traced step is also the one in which DDP rebuilds its gradient buckets, so MemTracker sees
+    # them from their allocation (in forward, so it calls them activations). In a later step it
+    # sees a bucket only from the first gradient copied into it, and can miss it at a peak before.
+    warmup_steps: int = 2
     samples: Optional[int] = None  # if set: train on this many samples instead of `steps`
     seed: int = 0
     compile: bool = False  # torch.compile the model (after checkpoint wrapping, before parallel wrapping)
