@@ -2,6 +2,7 @@
 invalid with a reason, never an error."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ SWEPT = ("accumulation", "checkpoint", "precision", "optimizer", "offload")
 EXPECTED_INVALID = {("offload", "optimizer"): "needs a CUDA device", ("offload", "params"): "needs parallel=fsdp"}
 # Longer sequences for recompute, so that activations, not optimizer states, make the peak.
 EXTRA = {"checkpoint": ["seq_len=32", "batch_size=16"]}
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +28,14 @@ def sweeps(tmp_path_factory):
         options = ",".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
         cmd = [sys.executable, "-m", "ablate", "-m", f"{group}={options}", *FAST, "batch_size=8",
                *EXTRA.get(group, []), f"out_dir={out}", f"hydra.sweep.dir={out}/{group}"]
-        return subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.run(cmd, cwd=ROOT, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
 
     # Five multiruns, one per group, two at a time on two cores; a pool rather than fixed pairs, so
-    # a short group does not leave a core idle while its partner finishes.
+    # a short group does not leave a core idle while its partner finishes. One intra-op thread per
+    # worker: two workers with a thread per core each fight over the cores (measured on the 2-core
+    # VM: seven optimizer points take 25 s alone, 62 s beside another such sweep, 25 s beside it
+    # with one thread each; alone, one thread is as fast as two at these sizes).
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = dict(zip(SWEPT, pool.map(sweep, SWEPT)))
     for group, proc in done.items():
