@@ -7,6 +7,7 @@ class's __init__ arguments (ablate/techniques/); instantiating them checks those
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -95,11 +96,20 @@ def short_dirname(name: str, limit: int = 200) -> str:
     return name.encode()[:limit - 12].decode(errors="ignore") + ",~" + digest
 
 
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+@functools.cache
+def option_defaults(group: str, option: str) -> dict:
+    """An option's own values as its file gives them (conf/<group>/<option>.yaml); {} if none."""
+    path = CONF / group / f"{option}.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+
+
 def _option_keys(group: str) -> list[str]:
     """Every key any option of `group` takes (conf/<group>/*.yaml), for checking a command line."""
-    conf = Path(__file__).resolve().parent.parent / "conf" / group
-    keys = {k for path in conf.glob("*.yaml") for k in OmegaConf.load(path) if not str(k).startswith("_")}
-    return sorted(keys)
+    keys = {k for path in (CONF / group).glob("*.yaml") for k in option_defaults(group, path.stem)}
+    return sorted(k for k in keys if not str(k).startswith("_"))
 
 
 def unknown_key(argv: list[str]) -> str | None:

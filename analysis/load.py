@@ -31,7 +31,7 @@ def _row(result: dict, path: Path) -> dict:
     row["accumulation_steps"] = (config.get("accumulation") or {}).get("steps")
     row["rung"] = config.get("rung")
     for group in GROUPS:  # every option key as "group.key" (strings: they are labels, and mixed types sort)
-        row.update({f"{group}.{k}": _text(v) for k, v in (config.get(group) or {}).items() if k != "_target_"})
+        row.update({f"{group}.{k}": text(v) for k, v in (config.get(group) or {}).items() if k != "_target_"})
     row.update({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))})
     row["losses"] = metrics.get("losses") or None  # per-step list, for loss curves
     prediction = result.get("prediction") or {}
@@ -43,7 +43,7 @@ def _row(result: dict, path: Path) -> dict:
     return row
 
 
-def _text(value) -> str:
+def text(value) -> str:
     """An option's value as a label: lists joined by commas ("layernorm,gelu")."""
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 

@@ -6,8 +6,8 @@ import math
 
 import pandas as pd
 
-from ablate.schema import GROUPS
-from analysis.load import RUN_KEYS
+from ablate.schema import GROUPS, option_defaults
+from analysis.load import RUN_KEYS, text
 
 # The do-nothing option of each group: a run's label lists only what differs from these.
 BASELINE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
@@ -43,11 +43,23 @@ FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak 
 
 def varied(df: pd.DataFrame) -> list[str]:
     """Group, run-key and GPU columns whose value differs between rows (at least `model`), and the
-    option keys ("parallel.backward_prefetch") that differ between runs of the same option."""
+    option keys ("parallel.backward_prefetch") that differ between rows because a run set them:
+    they differ between runs of the same option, or some run has one away from its option's
+    default (leanest's `optimizer.in_backward: true` on adamw8bit, against a baseline adamw). An
+    option's own defaults (sgd's lr 0.1 against adamw's 6e-4) are part of choosing the option."""
     cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and df[c].astype(str).nunique() > 1]
-    keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c]
-    cols += [c for c in keys if (df.groupby(c.split(".")[0], dropna=False)[c].nunique() > 1).any()]
+    keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c and df[c].nunique() > 1]
+    cols += [c for c in keys if (df.groupby(c.split(".")[0], dropna=False)[c].nunique() > 1).any()
+             or any(_set_away_from_default(row, c) for _, row in df.iterrows())]
     return cols or ["model"]
+
+
+def _set_away_from_default(row: pd.Series, col: str) -> bool:
+    if col in ("parallel.nproc", "parallel.nodes"):  # the parallel label names the processes already
+        return False
+    group, key = col.split(".", 1)
+    defaults = option_defaults(group, str(row[group]))
+    return pd.notna(row[col]) and key in defaults and row[col] != text(defaults[key])
 
 
 def num(value, fmt: str, unit: str = "") -> str:

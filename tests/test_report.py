@@ -248,3 +248,22 @@ def test_option_keys_that_vary_within_an_option_become_labelled_columns(tmp_path
     t = _setting(tmp_path)
     assert list(t["Setting"]) == ["Baseline (batch size = 8)", "+ Layer-type recompute (gelu)",
                                   "+ Layer-type recompute (layernorm, gelu)", "+ Optimizer step in backward", "+ SGD"]
+
+
+def test_an_option_key_set_away_from_its_default_is_labelled_even_on_another_option(tmp_path):
+    """leanest's rungs: adamw8bit and adafactor, each with in_backward=true, against a baseline
+    adamw without it. The key never varies within one option, but the runs set it: the rows say so."""
+    for name, opt, ib, parallel, nproc in (("a", "adamw", False, "single", 1), ("b", "adamw8bit", True, "single", 1),
+                                           ("c", "adafactor", True, "ddp", 2)):
+        config = {"batch_size": 8, "accumulation": {"steps": 1}, "parallel": {"_target_": "p", "nproc": nproc},
+                  "optimizer": {"_target_": "o", "lr": {"adafactor": 0.01}.get(opt, 6e-4), "in_backward": ib}}
+        r = results.make(name, "ok", None, {**BASE, "optimizer": opt, "parallel": parallel}, config, [],
+                         metrics={"peak_allocated_mib": 100.0, "train_latency_s": 1.0})
+        results.write_json(tmp_path / name / "result.json", r)
+    df = load([tmp_path])
+    # lr differs only with the option (each file's default); ddp's nproc=2 is away from its
+    # default (auto), but the parallel label counts the processes itself.
+    assert tables.varied(df) == ["optimizer", "parallel", "optimizer.in_backward"]
+    assert list(_setting(tmp_path)["Setting"]) == [
+        "Baseline (batch size = 8)", "+ 8-bit AdamW + Optimizer step in backward",
+        "+ Adafactor + DDP (2 processes) + Optimizer step in backward"]
