@@ -187,7 +187,8 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
     base = df.loc[base_i]
     if not ladder:  # published tables open with the baseline; a ladder keeps its rung order
         df = pd.concat([df.loc[[base_i]], df.drop(index=base_i)])
-    rows, prev, prev_any = [], None, None
+    rows, prev_any = [], None
+    prev = {}  # the last ok row and the last predicted one: a delta never mixes the two
     for _, row in df.iterrows():
         ok = row["status"] == "ok"
         # A ladder's row names what it adds to the row above; otherwise what differs from the baseline.
@@ -199,11 +200,13 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
                "Δ memory vs baseline": memory_delta(row, base),
                "Δ time vs baseline": delta(row["train_latency_s"], base["train_latency_s"]) if ok else ""}
         if ladder:
-            out["Δ memory vs previous"] = delta(row[MEMORY], prev[MEMORY]) if ok and prev is not None else ""
-            out["Δ time vs previous"] = (delta(row["train_latency_s"], prev["train_latency_s"])
-                                         if ok and prev is not None else "")
+            last = prev.get(row["status"])
+            out["Δ memory vs previous"] = memory_delta(row, last) if last is not None else ""
+            out["Δ time vs previous"] = (delta(row["train_latency_s"], last["train_latency_s"])
+                                         if ok and last is not None else "")
         rows.append(out)
-        prev = row if ok else prev
+        if row["status"] in ("ok", "predicted"):
+            prev[row["status"]] = row
         prev_any = row
     return pd.DataFrame(rows)
 

@@ -177,10 +177,14 @@ def test_a_predict_only_plan_shows_predicted_deltas_and_never_mixes_them_with_me
     assert t[["Setting", "GPU Memory Peak (MiB)", "Δ memory vs baseline"]].values.tolist() == [
         ["Baseline (batch size = 128)", "~1,000 (predicted)", "~+0.0%"],
         ["+ Block recompute", "~400 (predicted)", "~-60.0%"]]
+    ladder = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None), ladder=True)
+    assert list(ladder["Δ memory vs previous"]) == ["", "~-60.0%"]
     _write(tmp_path, "none", peak=900, latency=1.0, predicted=1000.0, checkpoint="none")  # the baseline ran
     df = load([tmp_path]).sort_values("checkpoint").reset_index(drop=True)
     t = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None))
     assert list(t["Δ memory vs baseline"]) == ["+0.0%", ""]  # a prediction is not compared with a measurement
+    ladder = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None), ladder=True)
+    assert list(ladder["Δ memory vs previous"]) == ["", ""]
 
 
 def test_gpu_name_becomes_a_column_when_it_varies(tmp_path):
