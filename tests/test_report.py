@@ -178,7 +178,7 @@ def test_a_predict_only_plan_shows_predicted_deltas_and_never_mixes_them_with_me
         ["Baseline (batch size = 128)", "~1,000 (predicted)", "~+0.0%"],
         ["+ Block recompute", "~400 (predicted)", "~-60.0%"]]
     ladder = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None), ladder=True)
-    assert list(ladder["Δ memory vs previous"]) == ["", "~-60.0%"]
+    assert list(ladder["Δ memory vs previous"]) == ["", "~+150.0%"]  # rows in order: block, then none
     _write(tmp_path, "none", peak=900, latency=1.0, predicted=1000.0, checkpoint="none")  # the baseline ran
     df = load([tmp_path]).sort_values("checkpoint").reset_index(drop=True)
     t = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None))
