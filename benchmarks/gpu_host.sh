@@ -5,7 +5,9 @@
 # result.json into ONE archive, for hosts that hand back only a few files:
 #   ABLATE_GIT_SHA=<commit> bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest
 #                                        # -> $OUT/results.tgz (or outputs/); the commit where no .git came along
-# A benchmark that fails does not stop the others; finished grid points are skipped on a rerun.
+# A benchmark that fails does not stop the others; finished grid points are skipped on a rerun. The
+# archive is rewritten after each benchmark, so a command killed at its time limit still hands back
+# everything that finished before.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -13,6 +15,12 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 if ! git rev-parse HEAD >/dev/null 2>&1 && [ -z "${ABLATE_GIT_SHA:-}" ]; then
   echo "warning: no .git here: set ABLATE_GIT_SHA=<commit> so the results name the code they ran" >&2
 fi
+dest="${OUT:-outputs}"
+mkdir -p "$dest"
+pack() {  # written beside and then renamed: a kill mid-write leaves the previous archive whole
+  tar czf "$dest/results.tgz.part" benchmarks/results $(find outputs -name result.json 2>/dev/null) &&
+    mv "$dest/results.tgz.part" "$dest/results.tgz" && ls -l "$dest/results.tgz"
+}
 status=0
 for name in "$@"; do
   echo "== $name ($(date -u +%H:%M:%S))"
@@ -21,8 +29,6 @@ for name in "$@"; do
   else
     python3 "benchmarks/$name.py" || status=1
   fi
+  pack
 done
-dest="${OUT:-outputs}"
-mkdir -p "$dest"
-tar czf "$dest/results.tgz" benchmarks/results $(find outputs -name result.json 2>/dev/null) && ls -l "$dest/results.tgz"
 exit $status
