@@ -66,7 +66,9 @@ def render(title: str, parts: list[tuple[str, pd.DataFrame]], labels: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="+", help="directories (searched recursively) or result.json files")
+    parser.add_argument("paths", nargs="*", default=["outputs"],
+                        help="directories (searched recursively) or result.json files (default: outputs, "
+                             "where python -m ablate writes)")
     parser.add_argument("--by", nargs="+", help="columns that label a run (default: every varied group)")
     parser.add_argument("--baseline", help="the reference run, e.g. optimizer=adamw,batch_size=32")
     parser.add_argument("--ladder", action="store_true", help="rows are cumulative: also Δ vs previous row")

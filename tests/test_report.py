@@ -223,6 +223,13 @@ def test_command_writes_report_md_csv_and_plots(ladder, capsys):
     assert main([str(ladder), "--baseline", "optimizer=lion"]) == 2
 
 
+def test_without_a_path_it_reads_outputs_where_ablate_writes(tmp_path, monkeypatch, capsys):
+    _write(tmp_path / "outputs", "a", peak=17022, latency=45.5)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--table", "setting"]) == 0
+    assert "Baseline (batch size = 128)" in capsys.readouterr().out
+
+
 def test_empty_directory_exits_1_with_a_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True)
