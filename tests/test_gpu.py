@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ablate.capacity import CUDA_CONTEXT_MIB
 from ablate.data import Synthetic
 from ablate.measure import MIB, traced_step
+from ablate.predict.analytic import analytic
 from ablate.train import train_step
-from helpers import results_under, run_cli, train_nano
+from helpers import compose_config, results_under, run_cli, train_nano
 
 pytestmark = pytest.mark.gpu
 
@@ -66,3 +68,42 @@ def test_the_traced_step_allocates_what_an_untraced_step_does():
     traced = peak_of(lambda: trace.append(traced_step(step, model, optimizer, device)))
     assert traced == pytest.approx(plain, rel=0.01)
     assert trace[0].peak_mib * MIB == pytest.approx(plain, rel=0.10)
+
+
+GPT2_1024 = ["model=gpt2", "seq_len=1024", "steps=2", "device=cuda"]
+
+
+def _gib(usable_mib: float) -> float:
+    """gpu_memory_gib (2 decimals) of a card whose allocator may use about `usable_mib`."""
+    return round((usable_mib + CUDA_CONTEXT_MIB) / 1024, 2)
+
+
+def test_an_emulated_card_runs_out_of_memory_for_real_and_a_big_one_fits(tmp_path):
+    """gpu_memory_gib caps the real caching allocator: a point predicted at twice the emulated
+    card's budget fails with a genuine CUDA OOM (a row, not a crash), at half of it it runs, and
+    what it reserved stays inside the cap."""
+    peak = analytic(compose_config([*GPT2_1024, "batch_size=8"])).peak_mib
+    small, big = _gib(peak / 2), _gib(peak * 2)
+    proc = run_cli(["-m", *GPT2_1024, "batch_size=8", f"gpu_memory_gib={small},{big}"], tmp_path, fast=False,
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["config"]["gpu_memory_gib"]: r for r in results_under(tmp_path)}
+    assert rows[small]["status"] == "oom", (rows[small]["status"], rows[small]["reason"])
+    assert rows[big]["status"] == "ok", rows[big]["reason"]
+    assert rows[big]["env"]["emulated_gpu_mib"] == pytest.approx(big * 1024)
+    assert rows[big]["metrics"]["peak_reserved_mib"] <= big * 1024 - CUDA_CONTEXT_MIB
+
+
+def test_find_batch_on_a_gpu_measures_a_micro_batch_that_fits_the_card(tmp_path):
+    """On a card sized for about micro-batch 4, the search settles on a micro-batch whose probe
+    fit and whose double did not, and the measured run at it stays inside the cap."""
+    gib = _gib(1.3 * analytic(compose_config([*GPT2_1024, "batch_size=4"])).peak_mib)
+    proc = run_cli([*GPT2_1024, "batch_size=32", "find_batch=true", f"gpu_memory_gib={gib}"], tmp_path, fast=False,
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = results_under(tmp_path)
+    assert row["status"] == "ok", row["reason"]
+    found, probes = row["metrics"]["max_batch_size"], {p["micro_batch"]: p["fits"] for p in row["metrics"]["find_batch"]}
+    assert 1 <= found < 32 and probes[found] and not probes.get(2 * found, False)
+    assert row["metrics"]["peak_reserved_mib"] <= gib * 1024 - CUDA_CONTEXT_MIB
+
