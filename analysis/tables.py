@@ -172,8 +172,9 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
 
 
 def memory_delta(row: pd.Series, base: pd.Series) -> str:
-    """Δ peak memory against the baseline: measured against measured, or, for a plan made with
-    predict_only, predicted against predicted ("~-46.8%"); never one against the other."""
+    """Δ peak memory against `base` (the baseline, or a ladder's previous row): measured against
+    measured, or, for a plan made with predict_only, predicted against predicted ("~-46.8%");
+    never one against the other."""
     if row["status"] == "ok" and base["status"] == "ok":
         return delta(row[MEMORY], base[MEMORY])
     if row["status"] == "predicted" and base["status"] == "predicted":
