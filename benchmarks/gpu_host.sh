@@ -5,9 +5,11 @@
 # result.json into ONE archive, for hosts that hand back only a few files:
 #   ABLATE_GIT_SHA=<commit> bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest
 #                                        # -> $OUT/results.tgz (or outputs/); the commit where no .git came along
+# A quoted name carries its benchmark's overrides: "gpt2_large_ladder samples=2560".
 # A benchmark that fails does not stop the others; finished grid points are skipped on a rerun. The
 # archive is rewritten after each benchmark, so a command killed at its time limit still hands back
-# everything that finished before.
+# everything that finished before. ABLATE_DEADLINE_S=<seconds> stops the benchmark running at that
+# point (its whole process group) and skips the rest, leaving time to pack what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
@@ -21,13 +23,21 @@ pack() {  # written beside and then renamed: a kill mid-write leaves the previou
   tar czf "$dest/results.tgz.part" benchmarks/results $(find outputs -name result.json 2>/dev/null) &&
     mv "$dest/results.tgz.part" "$dest/results.tgz" && ls -l "$dest/results.tgz"
 }
+limit() {  # the seconds left before the deadline, as a `timeout` prefix (none without a deadline)
+  [ -z "${ABLATE_DEADLINE_S:-}" ] && return
+  echo timeout --kill-after=10 $(( ABLATE_DEADLINE_S - SECONDS ))
+}
 status=0
 for name in "$@"; do
+  if [ -n "${ABLATE_DEADLINE_S:-}" ] && (( SECONDS >= ABLATE_DEADLINE_S - 20 )); then
+    echo "== $name: skipped, past the deadline of ${ABLATE_DEADLINE_S}s"; status=1; continue
+  fi
   echo "== $name ($(date -u +%H:%M:%S))"
   if [ "$name" = gpu-tests ]; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
+    $(limit) python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
   else
-    python3 "benchmarks/$name.py" || status=1
+    read -r script args <<<"$name"  # "gpt2_large_ladder samples=2560": a benchmark with its overrides
+    $(limit) python3 "benchmarks/$script.py" $args || status=1
   fi
   pack
 done
