@@ -48,10 +48,12 @@ class MemoryLimit:
         """Before anything is allocated on the device."""
         if self.mib is None or self.device.type != "cuda":
             return
-        total = torch.cuda.get_device_properties(self.device).total_memory / MIB
+        # The cap wants a device index: the worker's device is plain "cuda" (its current GPU).
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory / MIB
         if self.gib * 1024 > total:
             raise Invalid(f"gpu_memory_gib={self.gib} is more than this GPU's {total / 1024:.1f} GiB")
-        torch.cuda.set_per_process_memory_fraction(self.mib / total, self.device)
+        torch.cuda.set_per_process_memory_fraction(self.mib / total, index)
 
     def check(self, peak_mib: float | None) -> None:
         """After training: on a CPU the traced peak stands in for the allocator the cap would stop."""

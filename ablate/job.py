@@ -34,8 +34,12 @@ FIND_BATCH_MARGIN = 0.05  # a probe must stay 5% under the capacity to count as 
 
 @functools.lru_cache(maxsize=1)
 def git_sha() -> str | None:
-    """The commit the code ran at, with '+dirty' when the work tree has changes. Outside git (a copy
-    of the tree shipped to a GPU host) the commit named by ABLATE_GIT_SHA, else None."""
+    """The commit the code ran at: the one ABLATE_GIT_SHA names when set (a copy of the tree shipped
+    to a GPU host, whose .git may be missing, or stale: on the H100 it named the commit before the
+    one that ran), else git's, with '+dirty' when the work tree has changes; None outside git."""
+    if os.environ.get("ABLATE_GIT_SHA"):
+        return os.environ["ABLATE_GIT_SHA"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(PROJECT_ROOT), *args], capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
@@ -43,7 +47,7 @@ def git_sha() -> str | None:
         sha = git("rev-parse", "HEAD")
         return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("ABLATE_GIT_SHA")
+        return None
 
 
 def job_env() -> dict:

@@ -35,8 +35,9 @@ def device_dir(gpu_name: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", gpu_name).strip("-") if gpu_name else "cpu"
 
 
-def header(preset: str, commands: list[list[str]], sweep: Path) -> tuple[str, str]:
-    """(device folder, Markdown provenance) from the sweep's own result.json files."""
+def header(preset: str, commands: list[list[str]], sweep: Path, here: bool = True) -> tuple[str, str]:
+    """(device folder, Markdown provenance) from the sweep's own result.json files. here: the sweep
+    ran on this machine (its CPU count is the host's)."""
     df = load([sweep])
 
     def env(key: str):
@@ -50,7 +51,8 @@ def header(preset: str, commands: list[list[str]], sweep: Path) -> tuple[str, st
              "result.json files, rendered by analysis.report unedited.", ""]
     lines += [f"- command: `{shlex.join(c)}`" for c in commands]
     lines += [f"- commit: `{env('git_sha')}`", f"- device: {gpu or 'CPU'} ({env('gpu_total_mib') or '-'} MiB), "
-              f"driver {env('driver') or '-'}, host `{env('hostname')}` ({os.cpu_count()} {platform.machine()} CPUs)",
+              f"driver {env('driver') or '-'}, host `{env('hostname')}`"
+              + (f" ({os.cpu_count()} {platform.machine()} CPUs)" if here else ""),
               f"- torch {env('torch')}, CUDA {env('cuda') or '-'}, Python {env('python')}",
               f"- finished: {df['finished_at'].max()}", ""]
     return device_dir(gpu), "\n".join(lines)
@@ -62,18 +64,28 @@ def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), arg
     parser = argparse.ArgumentParser(prog=f"benchmarks/{preset}.py", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where <device>/ goes")
     parser.add_argument("--sweep-dir", help="the sweep's directory (default outputs/benchmarks/<preset>/<time>)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="render the report of a sweep that already ran (--sweep-dir, with the overrides it "
+                             "ran with), e.g. one a GPU host handed back unfinished: nothing runs again")
     args, given = parser.parse_known_args(argv)
+    if args.report_only and not args.sweep_dir:
+        parser.error("--report-only needs --sweep-dir, the sweep that ran")
     overrides = [*(o for o in defaults if o.split("=")[0] not in {g.split("=")[0] for g in given}), *given]
     default_sweep = ROOT / "outputs" / "benchmarks" / preset / time.strftime("%Y-%m-%d_%H-%M-%S")
     sweep = Path(args.sweep_dir or default_sweep).resolve()
     shown = sweep.relative_to(ROOT) if sweep.is_relative_to(ROOT) else sweep  # as typed in the repository
     sweep_cmd = ["python", "-m", "ablate", "-m", f"experiment={preset}", f"hydra.sweep.dir={shown}", *overrides]
-    subprocess.run([sys.executable, *sweep_cmd[1:]], cwd=ROOT, check=True)
+    if not args.report_only:
+        subprocess.run([sys.executable, *sweep_cmd[1:]], cwd=ROOT, check=True)
 
     staging = sweep / "report"
     report_cmd = ["python", "-m", "analysis.report", str(shown), *report_args, "--out", str(shown / "report")]
     subprocess.run([sys.executable, *report_cmd[1:]], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    device, top = header(preset, [sweep_cmd, report_cmd], sweep)
+    device, top = header(preset, [sweep_cmd, report_cmd], sweep, here=not args.report_only)
+    if args.report_only:
+        top += ("\nThe sweep ran on the device named above; its report was rendered afterwards from the "
+                "result.json files it handed back (`--report-only`), where a run it did not finish is a row "
+                "with its reason.\n")
 
     out = Path(args.results) / device
     files = out / preset

@@ -39,6 +39,9 @@ for name in "$@"; do
     read -r script args <<<"$name"  # "gpt2_large_ladder samples=2560": a benchmark with its overrides
     $(limit) python3 "benchmarks/$script.py" $args || status=1
   fi
+  # Past the deadline the sweep's launcher records its stopped point and would go on to the next:
+  # end it, so that nothing runs (or writes) after the archive below.
+  [ -n "${ABLATE_DEADLINE_S:-}" ] && (( SECONDS >= ABLATE_DEADLINE_S - 20 )) && pkill -KILL -f "[-]m ablate" && sleep 1
   pack
 done
 exit $status

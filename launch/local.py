@@ -161,7 +161,7 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
     if stopped and outcome.status != "ok":
         name = signal.Signals(stopped[0]).name
         outcome = Outcome("timeout" if stopped[0] == signal.SIGUSR2 else "error",
-                          f"the job received {name} (SLURM time limit, scancel or preemption); worker killed")
+                          f"the job received {name} (a time limit, scancel, preemption or kill); worker killed")
     nvml = sampler.fields()
     outcome.env["driver"] = nvml.pop("driver")
     outcome.metrics.update(nvml)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ablate import results
-from ablate.capacity import CUDA_CONTEXT_MIB, largest_fitting, micro_batches
+from ablate.capacity import CUDA_CONTEXT_MIB, MemoryLimit, largest_fitting, micro_batches
 from ablate.job import FIND_BATCH_MARGIN, with_micro_batch
 from ablate.predict.analytic import analytic
 from tests.helpers import FAST, ROOT, compose_config, results_under, run_cli
@@ -33,6 +33,27 @@ def test_largest_fitting_is_a_binary_search():
     assert len(tried) <= 4  # 12 divisors of 96: ceil(log2(13)) probes
     assert largest_fitting([1, 2, 4], lambda m: False) is None
     assert micro_batches(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_the_cap_names_the_gpu_by_index(monkeypatch):
+    """The worker's device is a plain torch.device("cuda"); torch's cap refuses that ("Expected a
+    torch.device with a specified index", as it did on an H100), so the limit passes the current
+    GPU's index. torch's own index check stands in for the GPU here."""
+    import torch
+    from torch.cuda._utils import _get_device_index
+
+    class Props:
+        total_memory = 80 * 2**30
+
+    capped = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: _get_device_index(d) is not None and Props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, d: capped.append((fraction, _get_device_index(d))))
+    for device in (torch.device("cuda"), torch.device("cuda", 0)):
+        MemoryLimit(16, device).apply()
+    usable = 16 * 1024 - CUDA_CONTEXT_MIB
+    assert capped == [(pytest.approx(usable / (80 * 1024)), 0)] * 2
 
 
 def test_predict_only_plans_a_gpu_grid_on_a_machine_without_one(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from ablate.capacity import CUDA_CONTEXT_MIB
 from ablate.data import Synthetic
 from ablate.measure import MIB, traced_step
-from ablate.predict.analytic import analytic
+from ablate.predict.analytic import CUBLAS_WORKSPACES, analytic
 from ablate.train import train_step
 from helpers import compose_config, results_under, run_cli, train_nano
 
@@ -67,7 +67,8 @@ def test_the_traced_step_allocates_what_an_untraced_step_does():
     trace = []
     traced = peak_of(lambda: trace.append(traced_step(step, model, optimizer, device)))
     assert traced == pytest.approx(plain, rel=0.01)
-    assert trace[0].peak_mib * MIB == pytest.approx(plain, rel=0.10)
+    # The allocator also holds cuBLAS's workspaces, which are no tensors: MemTracker never sees them.
+    assert trace[0].peak_mib * MIB + CUBLAS_WORKSPACES == pytest.approx(plain, rel=0.10)
 
 
 GPT2_1024 = ["model=gpt2", "seq_len=1024", "steps=2", "device=cuda"]

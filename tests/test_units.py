@@ -143,17 +143,20 @@ def test_event_reader_waits_for_complete_lines(tmp_path):
     assert reader.read_new() == [{"event": "progress"}]
 
 
-def test_outside_git_the_commit_comes_from_ablate_git_sha(monkeypatch):
-    """A copy of the tree on a GPU host has no .git; the session that sent it names the commit."""
+def test_ablate_git_sha_names_the_commit_whatever_git_says(monkeypatch):
+    """A copy of the tree on a GPU host has no .git, or a stale one; the session that sent it names
+    the commit."""
     import subprocess
 
     from ablate import job
+
+    monkeypatch.setenv("ABLATE_GIT_SHA", "abc1234")
+    assert job.git_sha.__wrapped__() == "abc1234"  # here, inside this repository's git
+    monkeypatch.delenv("ABLATE_GIT_SHA")
+    assert job.git_sha.__wrapped__() != "abc1234"
 
     def no_git(*args, **kwargs):
         raise subprocess.CalledProcessError(128, "git")
 
     monkeypatch.setattr(job.subprocess, "run", no_git)
-    monkeypatch.setenv("ABLATE_GIT_SHA", "abc1234")
-    assert job.git_sha.__wrapped__() == "abc1234"
-    monkeypatch.delenv("ABLATE_GIT_SHA")
     assert job.git_sha.__wrapped__() is None

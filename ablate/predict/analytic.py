@@ -34,6 +34,11 @@ from ablate.techniques.offload import Activations, OptimizerState, Params
 
 MIB = 2**20
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# cuBLAS takes its workspaces through the caching allocator at the first matmuls (32 MiB each on
+# Hopper, NVIDIA's recommended size). On an H100 with torch 2.11 every predict_check point's
+# allocator peak ran 54-88 MiB above the modelled tensors, and a traced gpt-mini step 67 MiB above
+# MemTracker's (benchmarks/results/NVIDIA-H100-80GB-HBM3/): two of them.
+CUBLAS_WORKSPACES = 64 * MIB
 
 
 @dataclass
@@ -70,20 +75,23 @@ def _shapes(cfg: dict, t: Techniques) -> Shapes:
                   param_shapes={n: tuple(p.shape) for n, p in params.items()}, groups=groups)
 
 
-def _block_saves(t: Techniques, index: int, sh: Shapes, r: int, c: int) -> tuple[float, float]:
+def _block_saves(t: Techniques, index: int, sh: Shapes, r: int, c: int, ln: int) -> tuple[float, float]:
     """(bytes block `index` keeps for backward beyond its input, bytes it keeps without recompute).
     What it does not keep is made again in backward, just before the block's own backward.
 
     r: bytes/element of the residual stream (the parameter dtype; fp32 under autocast).
     c: bytes/element of the compute dtype (what Linear, SDPA and GELU produce).
+    ln: bytes/element a LayerNorm keeps of its input: the input itself (r), or, when CUDA autocast
+    runs LayerNorm in fp32 on a 16-bit stream (FSDP's mixed precision), a 4-byte copy of it.
     Without recompute a block saves (in units of s·b·h): ln_1 out 1c, qkv 3c, SDPA out 1c,
-    x + attn 1r, ln_2 out 1c, c_fc out 4c, GELU out 4c = 15, plus its input (the previous block's
-    output, counted there); LayerNorm mean and rstd (2·s·b fp32 each LayerNorm) and SDPA's
+    x + attn 1ln, ln_2 out 1c, c_fc out 4c, GELU out 4c = 15, plus its input (the previous block's
+    output, counted there as r; ln_1 keeps its own copy when ln != r, and the input then dies with
+    the block: hence ln - r more); LayerNorm mean and rstd (2·s·b fp32 each LayerNorm) and SDPA's
     log-sum-exp (s·b·heads fp32).
     """
     sbh, sb = sh.sbh, sh.sb
     stats, lse = 2 * 2 * sb * 4, sb * sh.heads * 4
-    full = (1 + 3 + 1 + 1 + 4 + 4) * sbh * c + sbh * r + stats + lse
+    full = (1 + 3 + 1 + 1 + 4 + 4) * sbh * c + sbh * ln + sbh * (ln - r) + stats + lse
     option = t.checkpoint
     if isinstance(option, ckpt.Blocks):  # only the block input is kept, by the wrapper
         return (0.0 if (index + 1) % option.every_n == 0 else full), full
@@ -178,7 +186,8 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
     z = Sizes(params=0.0 if offloaded else sum(local.values()) * pd, grads=grads, states=states,
               step_temp=0.0 if states == 0 else _step_temp_bytes(t, groups, pd, device),
-              other=sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0,  # DDP's buckets
+              other=(sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0)  # DDP's buckets
+              + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
               grads_in_buckets=isinstance(p, par.DDP) and p.gradient_as_bucket_view)
     if p.shards_params:
         reduce_d = 4 if t.precision.autocast_dtype else pd  # FSDP reduces in fp32 under autocast
@@ -198,8 +207,12 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     """One rank's sizes and switches for the step: model state, then what the forward keeps."""
     z = _model_state(t, sh, device)
     z.c = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]
-    z.r = BYTES[t.precision.param_dtype]  # autocast adds the residual stream in fp32
-    z.blocks = [_block_saves(t, i, sh, z.r, z.c) for i in range(sh.layers)]
+    # Autocast adds the residual stream in fp32, unless FSDP's mixed precision gathers the
+    # embeddings in the compute dtype: then the stream is 16-bit too. CUDA autocast runs LayerNorm
+    # in fp32, so there each LayerNorm keeps an fp32 copy of a 16-bit input (CPU autocast does not).
+    z.r = z.c if isinstance(t.parallel, (par.FSDP, par.FSDP1)) else BYTES[t.precision.param_dtype]
+    z.ln = 4 if t.precision.autocast_dtype and device == "cuda" else z.r
+    z.blocks = [_block_saves(t, i, sh, z.r, z.c, z.ln) for i in range(sh.layers)]
     layer_stats = isinstance(t.checkpoint, ckpt.Layers) and "layernorm" in t.checkpoint.types
     z.ln_f_stats = 0 if layer_stats else 2 * sh.sb * 4
     # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the

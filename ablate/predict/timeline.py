@@ -61,13 +61,15 @@ class Sizes:
     grads: dict  # parameter name -> its gradient as backward makes it (whole: FSDP shards it after)
     states: float  # optimizer states on the device (this rank's shards under FSDP)
     step_temp: float  # optimizer-step temporaries at their largest
-    other: float  # persistent extras: DDP buckets
+    other: float  # persistent extras: DDP buckets, cuBLAS workspaces
     root: Unit | None = None  # FSDP only
     block: Unit | None = None
     reshard: bool = True  # FSDP frees gathered parameters after forward (ZeRO-3), else after backward
     upcast: bool = False  # FSDP under autocast sums micro-steps' gradients in fp32 beside .grad
     c: int = 4  # bytes/element of the compute dtype (what Linear, SDPA and GELU produce)
-    r: int = 4  # bytes/element of the residual stream: the parameter dtype (fp32 under autocast)
+    r: int = 4  # bytes/element of the residual stream: the parameter dtype (fp32 under autocast),
+    #             the compute dtype under FSDP's mixed precision (its embeddings are gathered in it)
+    ln: int = 4  # bytes/element a LayerNorm keeps of its input: r, or a 4-byte copy (CUDA autocast)
     blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
     ln_f_stats: float = 0.0  # ln_f's mean and rstd, unless recomputed
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
@@ -89,6 +91,7 @@ class Step:
     def __init__(self, sh: Shapes, z: Sizes):
         self.sh, self.z, self.tl = sh, z, Timeline()
         self.c, self.r = z.c, z.r
+        self.ln_copy = sh.sbh * (z.ln - z.r)  # ln_f's 4-byte copy of a 16-bit x_L (CUDA autocast)
         self.block_names = [[n for n in z.grads if n.startswith(f"transformer.h.{i}.")] for i in range(sh.layers)]
         self.root_names = [n for n in z.grads if not n.startswith("transformer.h.")]
         self.have_grads = False
@@ -131,7 +134,7 @@ class Step:
             if z.reshard:
                 self.release(z.block)
         # ln_f statistics and output, logits (B, T, V), their fp32 copy, log-softmax (fp32, kept).
-        tl.alloc("activations", keep(self.z.ln_f_stats + sbh * c) + self.z.lm_head_cast)
+        tl.alloc("activations", keep(self.z.ln_f_stats + sbh * c + self.ln_copy) + self.z.lm_head_cast)
         tl.alloc("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))
         tl.alloc("activations", keep(sb * V * 4))
         tl.free("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))  # logits not kept
@@ -147,8 +150,10 @@ class Step:
         if z.reshard:
             self.gather(z.root, "other")
         # Loss -> log-softmax -> logits -> lm_head.
+        back = sb * V * 4 - keep(sb * V * 4)  # offloaded log-softmax, copied back for its backward
+        tl.alloc("activations", back)
         tl.alloc("other", 2 * sb * V * 4)  # d log-softmax, d logits
-        tl.free("activations", keep(sb * V * 4))
+        tl.free("activations", keep(sb * V * 4) + back)
         tl.free("other", sb * V * 4)
         if c != 4:
             tl.transient("other", sb * V * c)
@@ -157,8 +162,9 @@ class Step:
         wte = z.grads["transformer.wte.weight"]
         tl.alloc("other", sbh * c + wte)  # d ln_f out, lm_head's d wte
         tl.free("other", sb * V * 4)
-        tl.transient("activations", self.z.lm_head_cast - keep(self.z.lm_head_cast))  # back from the host
-        tl.free("activations", keep(sbh * c + self.z.ln_f_stats + sbh * r + self.z.lm_head_cast))  # and x_L, ln_f's input
+        lm_head_saved = self.z.lm_head_cast + sbh * c  # its weight's cast and its input, ln_f's output
+        tl.transient("activations", lm_head_saved - keep(lm_head_saved))  # back from the host
+        tl.free("activations", keep(lm_head_saved + self.z.ln_f_stats + sbh * r + self.ln_copy))  # and x_L
         tl.alloc("other", sbh * r)  # d x_L (replaces d ln_f out)
         tl.free("other", sbh * c)
         for i in reversed(range(sh.layers)):
