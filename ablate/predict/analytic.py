@@ -13,7 +13,8 @@ ceil(rows / world) rows, so rank 0's are the largest; its optimizer states take 
 shapes, and only the 0-d step counters are whole on every rank. A unit (a block, or the root:
 embeddings and ln_f) is all-gathered in the compute dtype for its forward and again for its
 backward; its gradients are made whole, then reduce-scattered into shards. FSDP1 is given the same
-sizes, unmeasured: MemTracker cannot follow it.
+sizes: MemTracker cannot follow it, but on one H100 the gpt2-xl FSDP1 batch scan's allocator peaks
+came within 1.6% of them (benchmarks/results/NVIDIA-H100-80GB-HBM3/repredict.md).
 
 The sizes are played through one step as a timeline of allocations and frees
 (ablate/predict/timeline.py), so the peak lands where the real one does.
