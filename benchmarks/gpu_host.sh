@@ -23,13 +23,16 @@ pack() {  # written beside and then renamed: a kill mid-write leaves the previou
   tar czf "$dest/results.tgz.part" benchmarks/results $(find outputs -name result.json 2>/dev/null) &&
     mv "$dest/results.tgz.part" "$dest/results.tgz" && ls -l "$dest/results.tgz"
 }
+past_deadline() {  # within 20 s of ABLATE_DEADLINE_S: too late to start or go on
+  [ -n "${ABLATE_DEADLINE_S:-}" ] && (( SECONDS >= ABLATE_DEADLINE_S - 20 ))
+}
 limit() {  # the seconds left before the deadline, as a `timeout` prefix (none without a deadline)
   [ -z "${ABLATE_DEADLINE_S:-}" ] && return
   echo timeout --kill-after=10 $(( ABLATE_DEADLINE_S - SECONDS ))
 }
 status=0
 for name in "$@"; do
-  if [ -n "${ABLATE_DEADLINE_S:-}" ] && (( SECONDS >= ABLATE_DEADLINE_S - 20 )); then
+  if past_deadline; then
     echo "== $name: skipped, past the deadline of ${ABLATE_DEADLINE_S}s"; status=1; continue
   fi
   echo "== $name ($(date -u +%H:%M:%S))"
@@ -41,7 +44,7 @@ for name in "$@"; do
   fi
   # Past the deadline the sweep's launcher records its stopped point and would go on to the next:
   # end it, so that nothing runs (or writes) after the archive below.
-  [ -n "${ABLATE_DEADLINE_S:-}" ] && (( SECONDS >= ABLATE_DEADLINE_S - 20 )) && pkill -KILL -f "[-]m ablate" && sleep 1
+  past_deadline && pkill -KILL -f "[-]m ablate" && sleep 1
   pack
 done
 exit $status

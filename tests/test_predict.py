@@ -96,6 +96,16 @@ def test_analytic_matches_a_traced_rank_of_ddp_and_fsdp(parallel, overrides):
     assert pred.peak_mib == pytest.approx(rank.peak_mib, rel=0.05)
 
 
+@pytest.mark.parametrize("checkpoint", ["none", "block"])
+def test_fsdp_mixed_precision_keeps_a_16_bit_residual_stream(checkpoint):
+    """FSDP gathers the embeddings in bf16, so the residual stream (and a recomputed block's kept
+    input) is 16-bit, not the parameters' fp32 as under plain autocast."""
+    cfg = compose_config([*RANKS, "seq_len=256", "parallel=fsdp", "parallel.nproc=2", "precision=bf16",
+                          f"checkpoint={checkpoint}"])
+    pred, rank = analytic(cfg), trace(cfg)
+    assert pred.category_max_mib["activations"] == pytest.approx(rank.category_max_mib["activations"], rel=0.02)
+
+
 def test_gpt2_xl_model_state_is_16_bytes_per_param():
     """fp32 AdamW without AMP, DDP on one rank: 4 (params) + 4 (grads) + 8 (two states) bytes/param."""
     cfg = compose_config(["model=gpt2-xl", "parallel=ddp", "parallel.nproc=1", "device=cuda",
