@@ -25,7 +25,7 @@ from ablate.capacity import capacity_mib, largest_fitting, micro_batches
 from ablate.console import Progress
 from ablate.predict import Prediction, predict
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
-from launch.local import Outcome, run_worker
+from launch.local import Outcome, pass_on_stop, run_worker
 from launch.nvml import gpu_total_mib, visible_gpu_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -144,6 +144,14 @@ def with_micro_batch(config: dict, micro: int, steps: int | None = None) -> dict
     return cfg
 
 
+class _Stopped(Exception):
+    """A find_batch probe ended by a stop signal; carries its outcome, which becomes the point's."""
+
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome.reason)
+        self.outcome = outcome
+
+
 def find_batch(config: dict, run_dir: Path, overrides: list[str], progress: Progress,
                capacity: float | None) -> Outcome:
     """Binary-search the largest micro-batch that fits with short probe runs (any rank failing
@@ -158,9 +166,15 @@ def find_batch(config: dict, run_dir: Path, overrides: list[str], progress: Prog
         peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
         ok = out.status == "ok" and not (capacity and peak and peak > capacity * (1 - FIND_BATCH_MARGIN))
         probes.append({"micro_batch": micro, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
+        if out.stopped_by:  # the job was told to stop: no further probe starts
+            raise _Stopped(out)
         return ok
 
-    best = largest_fitting(micro_batches(config["batch_size"]), fits)
+    try:
+        best = largest_fitting(micro_batches(config["batch_size"]), fits)
+    except _Stopped as stop:
+        stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes}
+        return stop.outcome
     found = {"find_batch": probes, "max_batch_size": best}
     if best is None:
         first = probes[0]  # the smallest micro-batch is always among the probes when none fits
@@ -249,4 +263,5 @@ def run_point(cfg: DictConfig) -> dict:
         return {}  # multi-node: every node ran its ranks; the first node's task writes the row
     result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing, prediction)
     progress.done(result, str(result_path))
+    pass_on_stop(outcome)  # a sweep told to stop ends here, its row written, before the next point
     return result

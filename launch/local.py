@@ -28,10 +28,12 @@ class Outcome:
     reason: str | None
     metrics: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    stopped_by: int | None = None  # a stop signal the job received while the worker ran (deferred)
 
 
 # Signals that stop a job from outside: SLURM sends SIGUSR2 `signal_delay_s` before its time limit
-# (submitit's setting) and SIGTERM on scancel or preemption. The point still gets its row.
+# (submitit's setting) and SIGTERM on scancel or preemption. The point still gets its row: the
+# signal is held while the worker runs and passed on (`pass_on_stop`) once the row is written.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
 
 
@@ -42,6 +44,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def pass_on_stop(outcome: Outcome) -> None:
+    """Once the point's row is written, a stop signal held while its worker ran takes effect.
+
+    Where the signal's handler is the default one, the job is the sweep's own process (the local
+    launcher runs every point in it): the default action ends it, so a sweep told to stop stops,
+    with every row written so far, instead of starting its next point. Under submitit, its handler
+    had the signal before ours and each point is a task of its own: the job returns as usual and
+    submitit's handling of the next signal (requeue, or the end of the task) is unchanged.
+    """
+    sig = outcome.stopped_by
+    if sig and signal.getsignal(sig) == signal.SIG_DFL:
+        signal.raise_signal(sig)
 
 
 @contextlib.contextmanager
@@ -162,6 +178,7 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
         name = signal.Signals(stopped[0]).name
         outcome = Outcome("timeout" if stopped[0] == signal.SIGUSR2 else "error",
                           f"the job received {name} (a time limit, scancel, preemption or kill); worker killed")
+    outcome.stopped_by = stopped[0] if stopped else None
     nvml = sampler.fields()
     outcome.env["driver"] = nvml.pop("driver")
     outcome.metrics.update(nvml)

@@ -8,6 +8,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from helpers import FAST, ROOT, results_under, run_cli
 
@@ -62,15 +63,26 @@ def test_invalid_combination_is_a_row_and_starts_no_worker(tmp_path):
     assert len(list((tmp_path / "s").rglob("worker.log"))) == 1
 
 
-def _job_with_a_hung_worker(tmp_path) -> subprocess.Popen:
-    env = {**os.environ, "ABLATE_FAULT": "hang"}
-    job = subprocess.Popen([sys.executable, "-m", "ablate", f"out_dir={tmp_path}", *FAST], cwd=ROOT, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not any('"train"' in p.read_text() for p in tmp_path.rglob("events.jsonl")):
-        assert time.monotonic() < deadline and job.poll() is None
-        time.sleep(0.2)
-    return job
+@pytest.fixture
+def hung_job(tmp_path):
+    """start(*args, fault=...): a job whose worker hangs in training; whatever a failing test leaves
+    running is killed at teardown (its worker follows: PR_SET_PDEATHSIG)."""
+    jobs = []
+
+    def start(*args: str, fault: str = "hang") -> subprocess.Popen:
+        env = {**os.environ, "ABLATE_FAULT": fault}
+        jobs.append(subprocess.Popen([sys.executable, "-m", "ablate", *args, f"out_dir={tmp_path}", *FAST],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + 60
+        while not any('"train"' in p.read_text() for p in tmp_path.rglob("events.jsonl")):
+            assert time.monotonic() < deadline and jobs[-1].poll() is None
+            time.sleep(0.2)
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        if job.poll() is None:
+            job.kill()
 
 
 def _workers_of(tmp_path) -> list:
@@ -78,17 +90,29 @@ def _workers_of(tmp_path) -> list:
     return [p for p in psutil.process_iter(["cmdline"]) if spec in (p.info["cmdline"] or [])]
 
 
-def test_a_job_stopped_by_sigterm_still_writes_its_row(tmp_path):
-    job = _job_with_a_hung_worker(tmp_path)
-    job.send_signal(signal.SIGTERM)  # what scancel sends
-    assert job.wait(timeout=60) == 0
-    (row,) = results_under(tmp_path)
+def test_a_sweep_stopped_by_sigterm_writes_the_points_row_and_starts_no_other(tmp_path, hung_job):
+    job = hung_job("-m", "optimizer=sgd,adamw", f"hydra.sweep.dir={tmp_path}/s",
+                   fault="hang:optimizer=sgd")
+    job.send_signal(signal.SIGTERM)  # what scancel or `timeout` sends
+    assert job.wait(timeout=60) == -signal.SIGTERM, job.stdout.read()  # ended by it, once the row was written
+    (row,) = results_under(tmp_path / "s")  # adamw, the next point, never started
+    assert row["choices"]["optimizer"] == "sgd"
     assert row["status"] == "error" and "received SIGTERM" in row["reason"]
     assert not _workers_of(tmp_path)
 
 
-def test_a_sigkilled_job_takes_its_worker_along(tmp_path):
-    job = _job_with_a_hung_worker(tmp_path)
+def test_sigusr2_is_a_timeout_row_and_a_find_batch_search_stops_at_it(tmp_path, hung_job):
+    job = hung_job("batch_size=8", "find_batch=true")
+    job.send_signal(signal.SIGUSR2)  # SLURM's warning before its time limit (submitit's setting)
+    assert job.wait(timeout=60) == -signal.SIGUSR2, job.stdout.read()
+    (row,) = results_under(tmp_path)
+    assert row["status"] == "timeout" and "received SIGUSR2" in row["reason"]
+    assert len(row["metrics"]["find_batch"]) == 1  # the stopped probe, and no probe after it
+    assert len(list(tmp_path.rglob("spec.json"))) == 1
+
+
+def test_a_sigkilled_job_takes_its_worker_along(tmp_path, hung_job):
+    job = hung_job()
     job.kill()  # nothing can run in the job now: the kernel ends the worker (PR_SET_PDEATHSIG)
     job.wait(timeout=10)
     deadline = time.monotonic() + 10
