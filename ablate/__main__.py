@@ -1,4 +1,5 @@
 """`python -m ablate [-m] group=option,... key=value`: compose conf/, run each grid point as a job."""
+import signal
 import sys
 from pathlib import Path
 
@@ -29,4 +30,12 @@ if __name__ == "__main__":
     error = unknown_key(sys.argv[1:])
     if error:
         sys.exit(error)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # a local worker's process group is already down (launch/local.py)
+        print("\ninterrupted: finished points keep their rows; the same command again skips them and "
+              "runs the rest.", file=sys.stderr)
+        # End by SIGINT itself, as Python does after a traceback: a calling shell loop sees the
+        # interrupt (exit status 130) and stops too.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)

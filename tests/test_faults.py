@@ -111,6 +111,16 @@ def test_sigusr2_is_a_timeout_row_and_a_find_batch_search_stops_at_it(tmp_path, 
     assert len(list(tmp_path.rglob("spec.json"))) == 1
 
 
+def test_ctrl_c_stops_the_sweep_with_a_message_and_no_traceback(tmp_path, hung_job):
+    job = hung_job("-m", "optimizer=sgd,adamw", f"hydra.sweep.dir={tmp_path}/s", fault="hang:optimizer=sgd")
+    job.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) == -signal.SIGINT  # ended by it, as a calling shell loop needs to see
+    output = job.stdout.read()
+    assert "interrupted: finished points keep their rows" in output and "Traceback" not in output
+    assert not results_under(tmp_path / "s")  # no row for the interrupted point, and no next point
+    assert not _workers_of(tmp_path)
+
+
 def test_a_sigkilled_job_takes_its_worker_along(tmp_path, hung_job):
     job = hung_job()
     job.kill()  # nothing can run in the job now: the kernel ends the worker (PR_SET_PDEATHSIG)
