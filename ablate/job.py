@@ -118,20 +118,30 @@ def predicted(config: dict) -> Prediction | None:
 
 def outcome_of(config: dict, run_dir: Path, overrides: list[str],
                progress: Progress) -> tuple[Outcome, Prediction | None]:
-    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search."""
+    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search.
+
+    A batch search is pruned only when its smallest micro-batch is predicted not to fit, and its
+    prediction is of the micro-batch its row measures (the largest that fits), so that predicted
+    and measured peaks compare like with like."""
     invalid = validate(config)
     if invalid:
         return invalid, None
-    prediction = predicted(config)
     if config["predict_only"]:
-        return Outcome("predicted", None), prediction
+        return Outcome("predicted", None), predicted(config)
     capacity = capacity_mib(config, gpu_total_mib())
+    searched = config["find_batch"]
+    prediction = predicted(with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
     if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):
-        return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB > {capacity:,.0f} MiB usable "
+        at = " at micro-batch 1" if searched else ""
+        return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
                               f"(+{config['prune_margin']:.0%} margin); not run"), prediction
-    if config["find_batch"]:
-        return find_batch(config, run_dir, overrides, progress, capacity), prediction
-    return run_once(config, run_dir, overrides, progress), prediction
+    if not searched:
+        return run_once(config, run_dir, overrides, progress), prediction
+    outcome = find_batch(config, run_dir, overrides, progress, capacity)
+    best = outcome.metrics.get("max_batch_size")
+    if best and best > 1:
+        prediction = predicted(with_micro_batch(config, best))
+    return outcome, prediction
 
 
 def with_micro_batch(config: dict, micro: int, steps: int | None = None) -> dict:

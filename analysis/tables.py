@@ -253,6 +253,8 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
         bases = pd.Series(bases, index=df.index)
     base_loss = df.loc[bases.values, "loss_final"].set_axis(df.index)
     out = df[labels].fillna("").astype(str)  # an option key the row's option does not have: empty
+    if "max_batch_size" in df:  # find_batch=true: the answer, and the micro-batch the metrics are of
+        out["Max micro-batch"] = [num(v, ".0f") for v in df["max_batch_size"]]
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
         values = df[column] if column in df else pd.Series(float("nan"), index=df.index)

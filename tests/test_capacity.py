@@ -89,7 +89,9 @@ def test_prune_records_predicted_oom_and_a_later_run_measures_it(tmp_path):
 def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     p8, p16 = predicted_peak("batch_size=8"), predicted_peak("batch_size=16")
     usable = (p8 + p16) / 2 / (1 - FIND_BATCH_MARGIN)  # micro-batch 8 fits with its margin, 16 does not
-    proc = run_cli(["batch_size=32", "find_batch=true", f"gpu_memory_gib={gib_for(usable)}"], tmp_path)
+    # batch 32 in one micro-batch is predicted far over the card: prune must not stop the search
+    assert predicted_peak("batch_size=32") > usable * 1.1
+    proc = run_cli(["batch_size=32", "find_batch=true", "prune=true", f"gpu_memory_gib={gib_for(usable)}"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     (row,) = results_under(tmp_path)
     assert row["status"] == "ok", row["reason"]
@@ -98,6 +100,14 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     assert probes[8] and not probes[16] and len(probes) <= 3
     assert row["metrics"]["tokens_per_s"] > 0 and row["config"]["batch_size"] == 32
     assert with_micro_batch(row["config"], 8)["accumulation"]["steps"] == 4
+    # the prediction is of what was measured, micro-batch 8 (batch 32 whole would read +100%)
+    assert row["prediction"]["peak_mib"] == pytest.approx(row["metrics"]["peak_allocated_mib"], rel=0.02)
+    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "full"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    lines = report.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "Max micro-batch" in line)  # the "All runs" table
+    column = [c.strip() for c in lines[at].split("|")].index("Max micro-batch")
+    assert lines[at + 2].split("|")[column].strip() == "8"
 
 
 def test_report_shows_predicted_measured_and_error(tmp_path):

@@ -107,4 +107,6 @@ def test_find_batch_on_a_gpu_measures_a_micro_batch_that_fits_the_card(tmp_path)
     found, probes = row["metrics"]["max_batch_size"], {p["micro_batch"]: p["fits"] for p in row["metrics"]["find_batch"]}
     assert 1 <= found < 32 and probes[found] and not probes.get(2 * found, False)
     assert row["metrics"]["peak_reserved_mib"] <= gib * 1024 - CUDA_CONTEXT_MIB
+    # predicted for the micro-batch measured, within issue 6's 10% aim
+    assert row["prediction"]["peak_mib"] == pytest.approx(row["metrics"]["peak_allocated_mib"], rel=0.10)
 
