@@ -46,11 +46,13 @@ class Progress:
             detail = (f"peak {_fmt(peak, '.1f', ' MiB')} (predicted {_fmt(predicted, '.1f')})"
                       f"  iter {_fmt(m['iter_time_ms'], '.1f', ' ms')}"
                       f"  {_fmt(m['tokens_per_s'], ',.0f', ' tok/s')}  loss {_fmt(m['loss_final'], '.4f')}")
-            if m.get("max_batch_size"):
-                detail = f"max micro-batch {m['max_batch_size']}  " + detail
         elif result["status"] == "predicted":
             detail = f"predicted peak {_fmt(predicted, ',.1f', ' MiB')}"
+            if result["reason"]:  # e.g. what a predicted batch search could not answer
+                detail += f" ({result['reason']})"
         else:
             detail = f"{result['status']}: {result['reason']}"
+        if m.get("max_batch_size"):  # find_batch's answer, measured or predicted
+            detail = f"max micro-batch {m['max_batch_size']}  " + detail
         self.stream.write(f"[{status:>7}] {self.label}  {detail}  -> {where}\n")
         self.stream.flush()

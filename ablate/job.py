@@ -118,7 +118,8 @@ def predicted(config: dict) -> Prediction | None:
 
 def outcome_of(config: dict, run_dir: Path, overrides: list[str],
                progress: Progress) -> tuple[Outcome, Prediction | None]:
-    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search.
+    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search
+    (under predict_only, a search of predictions).
 
     A batch search is pruned only when its smallest micro-batch is predicted not to fit, and its
     prediction is of the micro-batch its row measures (the largest that fits), so that predicted
@@ -126,9 +127,11 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
     invalid = validate(config)
     if invalid:
         return invalid, None
+    capacity = capacity_mib(config, gpu_total_mib())
+    if config["predict_only"] and config["find_batch"]:
+        return predicted_batch(config, capacity)
     if config["predict_only"]:
         return Outcome("predicted", None), predicted(config)
-    capacity = capacity_mib(config, gpu_total_mib())
     searched = config["find_batch"]
     prediction = predicted(with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
     if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):
@@ -142,6 +145,25 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
     if best and best > 1:
         prediction = predicted(with_micro_batch(config, best))
     return outcome, prediction
+
+
+def predicted_batch(config: dict, capacity: float | None) -> tuple[Outcome, Prediction | None]:
+    """find_batch under predict_only: the same search, each micro-batch judged by its prediction
+    against the capacity less FIND_BATCH_MARGIN, and nothing run. Plans a card with gpu_memory_gib."""
+    if not capacity:
+        reason = "find_batch needs a capacity to search against: set gpu_memory_gib (no GPU memory applies here)"
+        return Outcome("predicted", reason), predicted(config)
+    seen: dict[int, Prediction | None] = {}
+
+    def fits(micro: int) -> bool:
+        seen[micro] = predicted(with_micro_batch(config, micro))
+        return seen[micro] is not None and seen[micro].peak_mib <= capacity * (1 - FIND_BATCH_MARGIN)
+
+    best = largest_fitting(micro_batches(config["batch_size"]), fits)
+    if best is None:
+        return Outcome("predicted", f"no micro-batch of batch_size={config['batch_size']} is predicted to fit "
+                                    f"{capacity:,.0f} MiB usable"), seen[1]
+    return Outcome("predicted", None, {"max_batch_size": best}), seen[best]
 
 
 def with_micro_batch(config: dict, micro: int, steps: int | None = None) -> dict:

@@ -110,6 +110,23 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     assert lines[at + 2].split("|")[column].strip() == "8"
 
 
+def test_find_batch_with_predict_only_plans_a_card_without_running(tmp_path):
+    cuda = [*FAST, "device=cuda", "batch_size=32"]
+    at = {m: analytic(with_micro_batch(compose_config(cuda), m)).peak_mib for m in (8, 16)}
+    usable = (at[8] + at[16]) / 2 / (1 - FIND_BATCH_MARGIN)  # micro-batch 8 is predicted to fit, 16 not
+    card = f"gpu_memory_gib={gib_for(usable)}"
+    proc = run_cli(["-m", "device=cuda", "batch_size=32", "find_batch=true", "predict_only=true",
+                    f"{card},null", f"hydra.sweep.dir={tmp_path}/s"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["config"]["gpu_memory_gib"] is not None: r for r in results_under(tmp_path / "s")}
+    assert rows[True]["status"] == "predicted" and rows[True]["reason"] is None
+    assert rows[True]["metrics"]["max_batch_size"] == 8
+    assert rows[True]["prediction"]["peak_mib"] == pytest.approx(at[8])  # of the micro-batch found
+    # no GPU here and no card named: nothing to search against, and the row says so
+    assert "set gpu_memory_gib" in rows[False]["reason"] and rows[False]["metrics"]["max_batch_size"] is None
+    assert not list(tmp_path.rglob("worker.log"))
+
+
 def test_report_shows_predicted_measured_and_error(tmp_path):
     proc = run_cli(["-m", "checkpoint=none,block"], tmp_path)
     assert proc.returncode == 0, proc.stderr
