@@ -147,9 +147,16 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
     return outcome, prediction
 
 
+def under_margin(peak_mib: float | None, capacity: float | None) -> bool:
+    """find_batch's rule, for probes and predictions alike: a micro-batch fits when its peak stays
+    FIND_BATCH_MARGIN under the capacity (a longer run fragments the cache further). An unknown
+    capacity or peak does not count against it."""
+    return not (capacity and peak_mib and peak_mib > capacity * (1 - FIND_BATCH_MARGIN))
+
+
 def predicted_batch(config: dict, capacity: float | None) -> tuple[Outcome, Prediction | None]:
     """find_batch under predict_only: the same search, each micro-batch judged by its prediction
-    against the capacity less FIND_BATCH_MARGIN, and nothing run. Plans a card with gpu_memory_gib."""
+    (under_margin), and nothing run. Plans a card with gpu_memory_gib."""
     if not capacity:
         reason = "find_batch needs a capacity to search against: set gpu_memory_gib (no GPU memory applies here)"
         return Outcome("predicted", reason), predicted(config)
@@ -157,7 +164,7 @@ def predicted_batch(config: dict, capacity: float | None) -> tuple[Outcome, Pred
 
     def fits(micro: int) -> bool:
         seen[micro] = predicted(with_micro_batch(config, micro))
-        return seen[micro] is not None and seen[micro].peak_mib <= capacity * (1 - FIND_BATCH_MARGIN)
+        return seen[micro] is not None and under_margin(seen[micro].peak_mib, capacity)
 
     best = largest_fitting(micro_batches(config["batch_size"]), fits)
     if best is None:
@@ -187,16 +194,15 @@ class _Stopped(Exception):
 def find_batch(config: dict, run_dir: Path, overrides: list[str], progress: Progress,
                capacity: float | None) -> Outcome:
     """Binary-search the largest micro-batch that fits with short probe runs (any rank failing
-    fails the probe), then measure the point at that micro-batch. A probe whose peak (reserved,
-    else allocated) comes within FIND_BATCH_MARGIN of the capacity does not count as fitting: a
-    longer run fragments the cache further."""
+    fails the probe), then measure the point at that micro-batch. A probe's peak (reserved, else
+    allocated) must stay under_margin."""
     probes: list[dict] = []
 
     def fits(micro: int) -> bool:
         out = run_once(with_micro_batch(config, micro, steps=1), run_dir / "find_batch" / f"micro_{micro}",
                        overrides, progress)
         peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
-        ok = out.status == "ok" and not (capacity and peak and peak > capacity * (1 - FIND_BATCH_MARGIN))
+        ok = out.status == "ok" and under_margin(peak, capacity)
         probes.append({"micro_batch": micro, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
         if out.stopped_by:  # the job was told to stop: no further probe starts
             raise _Stopped(out)
