@@ -149,6 +149,12 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'."""
     if row.name == base.name:
         return f"Baseline (batch size = {row['batch_size']})"
+    parts = changes(row, base, labels)
+    return "+ " + " + ".join(parts) if parts else "Baseline (repeat)"
+
+
+def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
+    """What `row` changes against `base`, one readable name per technique."""
     parts = []
     for col in labels:
         if str(row[col]) == str(base[col]):
@@ -168,7 +174,7 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
             parts.append(NAMES.get((col, row[col]), f"{col}={row[col]}"))
         else:
             parts.append(f"{col.replace('_', ' ')} = {row[col]}")
-    return "+ " + " + ".join(parts) if parts else "Baseline (repeat)"
+    return parts
 
 
 def memory_delta(row: pd.Series, base: pd.Series) -> str:
@@ -186,8 +192,9 @@ def memory_delta(row: pd.Series, base: pd.Series) -> str:
 def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = False) -> pd.DataFrame:
     """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row)."""
     base = df.loc[base_i]
-    if not ladder:  # published tables open with the baseline; a ladder keeps its rung order
-        df = pd.concat([df.loc[[base_i]], df.drop(index=base_i)])
+    if not ladder:  # published tables open with the baseline, then one change, then two...; a ladder keeps its order
+        rest = sorted(df.index.drop(base_i), key=lambda i: len(changes(df.loc[i], base, labels)))  # stable
+        df = df.loc[[base_i, *rest]]
     rows, prev_any = [], None
     prev = {}  # the last ok row and the last predicted one: a delta never mixes the two
     for _, row in df.iterrows():

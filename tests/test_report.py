@@ -110,7 +110,8 @@ def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
 
 def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_reference(tmp_path, capsys):
     """`-m parallel=fsdp,ddp checkpoint=none,block` has no single-process run: DDP is the reference,
-    the baseline is none+ddp (not whichever row sorts first) and the Setting table opens with it."""
+    the baseline is none+ddp (not whichever row sorts first), the Setting table opens with it, and
+    single changes come before their combination."""
     for par, ckpt, peak in (("ddp", "none", 1000), ("fsdp", "none", 800), ("ddp", "block", 600),
                             ("fsdp", "block", 400)):
         _write(tmp_path, f"{par}-{ckpt}", peak=peak, latency=10.0, parallel=par, checkpoint=ckpt)
@@ -119,7 +120,7 @@ def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_referenc
     settings = [ln.split("|")[1:4] for ln in out.split("## All runs")[0].splitlines() if ln.startswith("| ")][1:]
     assert [[c.strip() for c in row] for row in settings] == [
         ["Baseline (batch size = 128)", "1,000", "10.00"], ["+ Block recompute", "600", "10.00"],
-        ["+ Block recompute + FSDP (1 process)", "400", "10.00"], ["+ FSDP (1 process)", "800", "10.00"]]
+        ["+ FSDP (1 process)", "800", "10.00"], ["+ Block recompute + FSDP (1 process)", "400", "10.00"]]
     m = tables.marginal(load([tmp_path]), ["checkpoint", "parallel"]).set_index(["Group", "Option"])
     assert m.loc[("parallel", "fsdp")].tolist() == ["ddp", "-26.7%", "+0.0%", "+0.0%", "2", "0"]  # -20%, -33%
     assert m.loc[("checkpoint", "block")][["Against", "Pairs"]].tolist() == ["none", "2"]
