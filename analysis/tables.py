@@ -260,7 +260,8 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
         bases = pd.Series(bases, index=df.index)
     base_loss = df.loc[bases.values, "loss_final"].set_axis(df.index)
     out = df[labels].fillna("").astype(str)  # an option key the row's option does not have: empty
-    if "max_batch_size" in df:  # find_batch=true: the answer, and the micro-batch the metrics are of
+    if "max_batch_size" in df and df["max_batch_size"].notna().any():  # find_batch's answer, which
+        # is also the micro-batch the row's metrics are of
         out["Max micro-batch"] = [num(v, ".0f") for v in df["max_batch_size"]]
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
