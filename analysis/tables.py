@@ -33,6 +33,8 @@ NAMES = {
     ("parallel.backward_prefetch", "pre"): "Backward prefetch (pre)",
     ("parallel.backward_prefetch", "post"): "Backward prefetch (post)",
     ("parallel.gradient_as_bucket_view", "True"): "Gradients as bucket views",
+    ("parallel.sync_each_micro_step", "False"): "Gradient sync on the last micro-step only",
+    ("parallel.sync_each_micro_step", "True"): "Gradient sync every micro-step",
 }
 MEMORY = "peak_allocated_mib"
 FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "

@@ -71,8 +71,10 @@ RANKS = ["model=gpt-nano", "model.vocab_size=131", "device=cpu", "batch_size=8",
     ("fsdp", ["precision=bf16"]),
     ("fsdp", ["precision=bf16_pure", "checkpoint=block"]),
     ("fsdp", ["precision=bf16", "accumulation=x4"]),
+    ("fsdp", ["precision=bf16", "accumulation=x4", "parallel.sync_each_micro_step=false"]),
     ("fsdp", ["parallel.nproc=4", "optimizer=sgd", "optimizer.momentum=0.9"]),
     ("fsdp_grad_op", ["accumulation=x4"]),
+    ("fsdp_grad_op", ["accumulation=x4", "parallel.sync_each_micro_step=false"]),
 ], ids=lambda o: ",".join(o) if isinstance(o, list) else o)
 def test_analytic_matches_a_traced_rank_of_ddp_and_fsdp(parallel, overrides):
     cfg = compose_config([*RANKS, f"parallel={parallel}", "parallel.nproc=2", *overrides])

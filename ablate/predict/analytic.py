@@ -201,6 +201,7 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
         z.root = unit([n for n in local if not n.startswith("transformer.h.")])
         z.block = unit([n for n in local if n.startswith("transformer.h.0.")])
         z.reshard = getattr(p, "reshard_after_forward", getattr(p, "sharding", "full") == "full")
+        z.sync_each = p.sync_each_micro_step
     return z
 
 
@@ -225,9 +226,9 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
         z.lm_head_cast = sh.vocab * sh.h * z.c
     z.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
     z.micro_steps, z.in_backward = t.accumulation.steps, t.optimizer.in_backward
-    # FSDP with mixed precision sums whole gradients over micro-steps in fp32 (its reduce dtype),
-    # beside .grad (FSDPParam.unsharded_accumulated_grad), not in the compute-dtype .grad.
-    z.upcast = z.root is not None and bool(t.precision.autocast_dtype) and z.micro_steps > 1
+    # FSDP with mixed precision that keeps whole gradients over micro-steps sums them in fp32 (its
+    # reduce dtype) beside .grad (FSDPParam.unsharded_accumulated_grad), not in the 16-bit .grad.
+    z.upcast = z.root is not None and not z.sync_each and bool(t.precision.autocast_dtype) and z.micro_steps > 1
     return z
 
 

@@ -65,7 +65,8 @@ class Sizes:
     root: Unit | None = None  # FSDP only
     block: Unit | None = None
     reshard: bool = True  # FSDP frees gathered parameters after forward (ZeRO-3), else after backward
-    upcast: bool = False  # FSDP under autocast sums micro-steps' gradients in fp32 beside .grad
+    sync_each: bool = True  # FSDP reduce-scatters every micro-step, else only the last (whole grads kept)
+    upcast: bool = False  # FSDP under autocast sums micro-steps' whole gradients in fp32 beside .grad
     c: int = 4  # bytes/element of the compute dtype (what Linear, SDPA and GELU produce)
     r: int = 4  # bytes/element of the residual stream: the parameter dtype (fp32 under autocast),
     #             the compute dtype under FSDP's mixed precision (its embeddings are gathered in it)
@@ -113,7 +114,7 @@ class Step:
         tl.alloc("activations", batch_tokens * 8 * 2)  # int64 inputs and targets of the whole batch
         for k in range(steps):
             self.forward()
-            self.backward(sync=k == steps - 1)  # FSDP keeps whole gradients until the last micro-step
+            self.backward(sync=z.sync_each or k == steps - 1)  # FSDP: reduce-scatter now, or keep whole grads
             self.have_grads = True
         tl.transient("optimizer", z.step_temp)
         tl.free("grads", tl.now["grads"])  # zero_grad(set_to_none=True)
@@ -196,7 +197,8 @@ class Step:
         """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
         (briefly both), or stepped and freed at once (optimizer.in_backward), or copied into its
         DDP bucket, which .grad then views (gradient_as_bucket_view)."""
-        if self.z.in_backward or self.z.grads_in_buckets or (self.have_grads and not self.z.upcast):
+        whole_kept = self.have_grads and not (self.z.root is not None and self.z.sync_each)  # FSDP: sharded
+        if self.z.in_backward or self.z.grads_in_buckets or (whole_kept and not self.z.upcast):
             self.tl.transient("grads", nbytes)
         else:
             self.tl.alloc("grads", nbytes)
@@ -215,9 +217,10 @@ class Step:
             self.tl.free("params", unit.gathered)
 
     def reduce(self, unit: Unit | None, names: list[str], sync: bool) -> None:
-        """FSDP after a unit's backward: on the last micro-step its whole gradients are copied into
-        one flat buffer for the reduce-scatter and freed, and this rank's shard of the sum becomes
-        its gradient; on earlier ones they wait (in fp32 beside .grad under mixed precision)."""
+        """FSDP after a unit's backward: on a synced micro-step (each one, or only the last) its
+        whole gradients are copied into one flat buffer for the reduce-scatter and freed, and this
+        rank's shard of the sum becomes its gradient, or is added into it; on the others they wait
+        (in fp32 beside .grad under mixed precision)."""
         if not unit or self.z.in_backward:
             return
         whole = ("grads", sum(self.z.grads[n] for n in names))
@@ -230,5 +233,8 @@ class Step:
         if sync:
             self.tl.alloc("other", unit.reduce_input)
             self.tl.free(*whole)
-            self.tl.alloc("grads", unit.sharded_grads)
+            if self.have_grads and self.z.sync_each:  # an earlier micro-step's shards: these add into them
+                self.tl.transient("other", unit.sharded_grads)
+            else:
+                self.tl.alloc("grads", unit.sharded_grads)
             self.tl.free("other", unit.reduce_input)

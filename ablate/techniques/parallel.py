@@ -122,14 +122,21 @@ class FSDP(_Distributed):
     and optimizer states are sharded over the ranks (1/world each); a block's parameters are
     all-gathered just before use. reshard_after_forward=True frees them again after forward
     (ZeRO-3; all-gathered again in backward), False keeps them until backward (ZeRO-2-like:
-    one all-gather fewer, a full block's parameters alive between forward and backward)."""
+    one all-gather fewer, a full block's parameters alive between forward and backward).
+
+    Under gradient accumulation, sync_each_micro_step=True (plain fully_shard's behaviour, and
+    torchtitan's) reduce-scatters each micro-step's gradients into the shards: gradients stay
+    1/world per rank, for one reduce-scatter per micro-step. False defers it to the last
+    micro-step (no_sync): every unit's whole gradients stay alive in between, in fp32 under mixed
+    precision, as much gradient memory as a DDP rank's, for fewer collectives. (DDP always
+    defers: its gradients are whole either way.)"""
 
     shards_params = True
 
     def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto",
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, sync_each_micro_step: bool = True):
         super().__init__(nproc, nodes, backend)
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.sync_each_micro_step = reshard_after_forward, sync_each_micro_step
 
     def wrap(self, model: nn.Module, precision, offload) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -145,7 +152,7 @@ class FSDP(_Distributed):
         return fully_shard(model, **kwargs)
 
     def sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        return _gradient_sync(model, last_micro_step)
+        return _gradient_sync(model, last_micro_step or self.sync_each_micro_step)
 
 
 @contextlib.contextmanager
@@ -161,7 +168,8 @@ class FSDP1(_Distributed):
     """The classic FullyShardedDataParallel, one unit per transformer block (transformer auto-wrap).
     `sharding`: full (ZeRO-3), grad_op (ZeRO-2), no_shard (DDP-like). `backward_prefetch`: pre
     all-gathers the next block's parameters before the current block's gradient computation
-    (faster, one more block of parameters alive), post after it, none not at all."""
+    (faster, one more block of parameters alive), post after it, none not at all.
+    sync_each_micro_step: as in FSDP."""
 
     SHARDING = ("full", "grad_op", "no_shard")
     PREFETCH = ("pre", "post", "none")
@@ -170,9 +178,10 @@ class FSDP1(_Distributed):
     traceable = False
 
     def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto",
-                 sharding: str = "full", backward_prefetch: str = "pre"):
+                 sharding: str = "full", backward_prefetch: str = "pre", sync_each_micro_step: bool = True):
         super().__init__(nproc, nodes, backend)
         self.sharding, self.backward_prefetch = sharding, backward_prefetch
+        self.sync_each_micro_step = sync_each_micro_step
 
     @property
     def shards_params(self) -> bool:
@@ -210,4 +219,4 @@ class FSDP1(_Distributed):
         )
 
     def sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last_micro_step else model.no_sync()
+        return contextlib.nullcontext() if last_micro_step or self.sync_each_micro_step else model.no_sync()
