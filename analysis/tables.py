@@ -104,8 +104,9 @@ def references(df: pd.DataFrame, labels: list[str]) -> dict[str, str]:
 
 def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> int:
     """The row every delta is taken against: `--baseline key=value,...`, else the run with the most
-    varied groups at their reference option (all of them, where such a run exists; then the ok
-    runs, then the smallest batch: the first in row order)."""
+    varied groups at their reference option (all of them, where such a run exists), then the most
+    varied option keys at their option's default (`parallel.sync_each_micro_step=true,false` is
+    measured against true), then the ok runs, then the smallest batch: the first in row order."""
     if baseline:
         match = df
         for key, value in baseline.items():
@@ -115,8 +116,11 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
         return match.index[0]
     refs = references(df, labels)
     at_reference = sum((df[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
-    score = pd.DataFrame({"refs": at_reference, "ok": (df["status"] == "ok").astype(int)}, index=df.index)
-    return score.sort_values(["refs", "ok"], ascending=False, kind="stable").index[0]
+    keys = [c for c in labels if "." in c and c.split(".")[0] in GROUPS]
+    at_default = sum(df.apply(lambda row: not _set_away_from_default(row, c), axis=1).astype(int) for c in keys)
+    score = pd.DataFrame({"refs": at_reference, "defaults": at_default, "ok": (df["status"] == "ok").astype(int)},
+                         index=df.index)
+    return score.sort_values(["refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
 
 
 def by_model(df: pd.DataFrame, labels: list[str]) -> list[tuple[str | None, pd.DataFrame, list[str]]]:

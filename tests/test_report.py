@@ -280,3 +280,19 @@ def test_an_option_key_set_away_from_its_default_is_labelled_even_on_another_opt
     assert list(_setting(tmp_path)["Setting"]) == [
         "Baseline (batch size = 8)", "+ 8-bit AdamW + Optimizer step in backward",
         "+ Adafactor + DDP (2 processes) + Optimizer step in backward"]
+
+
+def test_an_option_key_sweep_is_measured_against_the_keys_default(tmp_path):
+    """`-m parallel=fsdp parallel.sync_each_micro_step=true,false`: the baseline is the run with the
+    key at its default (true), not the run that sorts first."""
+    for name, sync, peak in (("a", False, 324.0), ("b", True, 300.0)):
+        config = {"batch_size": 8, "accumulation": {"steps": 4},
+                  "parallel": {"_target_": "p", "nproc": 2, "sync_each_micro_step": sync}}
+        r = results.make(name, "ok", None, {**BASE, "accumulation": "x4", "parallel": "fsdp"}, config, [],
+                         metrics={"peak_allocated_mib": peak, "train_latency_s": 1.0})
+        results.write_json(tmp_path / name / "result.json", r)
+    df = load([tmp_path])
+    assert tables.varied(df) == ["parallel.sync_each_micro_step"]
+    t = _setting(tmp_path)
+    assert t[["Setting", "Δ memory vs baseline"]].values.tolist() == [
+        ["Baseline (batch size = 8)", "+0.0%"], ["+ Gradient sync on the last micro-step only", "+8.0%"]]
