@@ -272,9 +272,12 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
         values = df[column] if column in df else pd.Series(float("nan"), index=df.index)
-        out[heading] = [num(v, fmt) if good else "" for v, good in zip(values, ok)]
+        cells = [num(v, fmt) if good else "" for v, good in zip(values, ok)]
         if column == MEMORY:  # the first metric column says how a failed run ended
+            out[heading] = cells
             out.loc[~ok, heading] = [failed(r) for _, r in df[~ok].iterrows()]
+        elif any(cells):  # not a column no run measured (on a CPU: reserved, NVML, MFU)
+            out[heading] = cells
     out["Δ loss vs baseline"] = [delta(v, b) if good else "" for v, b, good in zip(df["loss_final"], base_loss, ok)]
     if df["predicted_peak_mib"].notna().any():
         out["Predicted peak (MiB)"] = [num(v, ",.1f") for v in df["predicted_peak_mib"]]

@@ -97,7 +97,8 @@ def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
     assert labels == ["optimizer", "checkpoint"]
     df = df.sort_values(labels).reset_index(drop=True)
     full = tables.full(df, labels, tables.baseline_index(df, labels, None))  # adamw / none
-    assert "Max micro-batch" not in full  # no find_batch run: no empty column
+    # No empty columns: no find_batch run, and nothing measured reserved or NVML memory.
+    assert not {"Max micro-batch", "Peak reserved (MiB)", "NVML peak (MiB)"} & set(full) and "TFLOP/s" in full
     err = full[full["optimizer"] == "adafactor"].iloc[0]
     assert err["Peak allocated (MiB)"] == "error" and err["Status"] == "error: worker killed by SIGKILL"
     sgd = full[(full["optimizer"] == "sgd") & (full["checkpoint"] == "none")].iloc[0]
