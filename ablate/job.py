@@ -58,6 +58,13 @@ def job_env() -> dict:
             "python": sys.version.split()[0]}
 
 
+def resolve_alloc_conf(config: dict) -> None:
+    """alloc_conf=null -> the PYTORCH_CUDA_ALLOC_CONF the worker would inherit, so that a row (and
+    its run_id) says which allocator settings it was measured under."""
+    if config["alloc_conf"] is None:
+        config["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
+
+
 def resolve_nproc(config: dict) -> None:
     """parallel.nproc=auto -> every visible GPU, or 2 gloo processes where there is none (so a
     DDP/FSDP sweep runs anywhere). Written into the config: the run_id names the real count."""
@@ -77,8 +84,9 @@ def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress
     distributed = not parallel["_target_"].endswith(".Single")  # the others run their ranks under torchrun
     module = "launch.torchrun" if distributed else "ablate.worker"
     world = parallel["nproc"] * parallel["nodes"] if distributed else 1
+    env = {"PYTORCH_CUDA_ALLOC_CONF": config["alloc_conf"]} if config["alloc_conf"] else {}
     return run_worker([sys.executable, "-m", module, str(spec_path)], run_dir, config["timeout_s"],
-                      world_size=world, on_event=progress)
+                      world_size=world, on_event=progress, env=env)
 
 
 def validate(config: dict) -> Outcome | None:
@@ -241,6 +249,7 @@ class Point:
             cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         resolve_nproc(config)
+        resolve_alloc_conf(config)
         rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
         return cls(config, {g: hydra.runtime.choices.get(g) for g in GROUPS}, list(hydra.overrides.task), rid,
                    run_dir, hydra.job.override_dirname or "defaults")

@@ -74,6 +74,10 @@ class Config:
     device: Device = Device.auto
     peak_tflops: Optional[float] = None  # dense peak TFLOP/s for MFU on a GPU missing from the table
     timeout_s: float = 1800.0  # wall-clock limit of one worker
+    # PYTORCH_CUDA_ALLOC_CONF of the worker, an ablation axis (expandable_segments:True trades the
+    # caching allocator's fixed-size segments for growable ones: less fragmentation, reserved
+    # closer to allocated). null: the job's own environment's value, recorded here when set.
+    alloc_conf: Optional[str] = None
     skip_existing: bool = True  # skip a point whose result.json is already terminal
     out_dir: str = "outputs"
     # Capacity planning (ablate/predict/, ablate/capacity.py). Memory is predicted for every point.

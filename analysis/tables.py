@@ -37,6 +37,8 @@ NAMES = {
     ("parallel.sync_each_micro_step", "True"): "Gradient sync every micro-step",
 }
 MEMORY = "peak_allocated_mib"
+# Run keys whose null (or false) is the plain run: a sweep over them is measured against it.
+OFF_KEYS = ("compile", "alloc_conf", "gpu_memory_gib")
 FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
             "training (on CPU, the peak of live tensor bytes traced by torch's MemTracker); MiB = 2^20 bytes. "
             "Reserved adds cached free blocks; NVML is what the driver sees (CUDA context included). "
@@ -49,7 +51,7 @@ def varied(df: pd.DataFrame) -> list[str]:
     they differ between runs of the same option, or some run has one away from its option's
     default (leanest's `optimizer.in_backward: true` on adamw8bit, against a baseline adamw). An
     option's own defaults (sgd's lr 0.1 against adamw's 6e-4) are part of choosing the option."""
-    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and df[c].astype(str).nunique() > 1]
+    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and df[c].astype(str).nunique(dropna=False) > 1]
     keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c and df[c].nunique() > 1]
     cols += [c for c in keys if (df.groupby(c.split(".")[0], dropna=False)[c].nunique() > 1).any()
              or any(_set_away_from_default(row, c) for _, row in df.iterrows())]
@@ -106,7 +108,8 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     """The row every delta is taken against: `--baseline key=value,...`, else the run with the most
     varied groups at their reference option (all of them, where such a run exists), then the most
     varied option keys at their option's default (`parallel.sync_each_micro_step=true,false` is
-    measured against true), then the ok runs, then the smallest batch: the first in row order."""
+    measured against true) and run keys off (OFF_KEYS), then the ok runs, then the smallest batch:
+    the first in row order."""
     if baseline:
         match = df
         for key, value in baseline.items():
@@ -118,6 +121,7 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     at_reference = sum((df[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
     keys = [c for c in labels if "." in c and c.split(".")[0] in GROUPS]
     at_default = sum(df.apply(lambda row: not _set_away_from_default(row, c), axis=1).astype(int) for c in keys)
+    at_default += sum((df[c].isna() | (df[c].astype(str) == "False")).astype(int) for c in labels if c in OFF_KEYS)
     score = pd.DataFrame({"refs": at_reference, "defaults": at_default, "ok": (df["status"] == "ok").astype(int)},
                          index=df.index)
     return score.sort_values(["refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
@@ -178,6 +182,8 @@ def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
             parts[-1] += f" ({row[col].replace(',', ', ')})"  # "Layer-type recompute (layernorm, gelu)"
         elif col in GROUPS or "." in col:
             parts.append(NAMES.get((col, row[col]), f"{col}={row[col]}"))
+        elif col == "alloc_conf":
+            parts.append(f"PYTORCH_CUDA_ALLOC_CONF={row[col]}" if pd.notna(row[col]) else "default allocator settings")
         else:
             parts.append(f"{col.replace('_', ' ')} = {row[col]}")
     return parts

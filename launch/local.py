@@ -138,12 +138,12 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
 
 
 def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,
-               on_event: Callable[[dict], None] = lambda e: None) -> Outcome:
-    """Start `cmd`, follow its events, sample NVML, enforce the time limit; never raises for the
-    worker's own failures."""
+               on_event: Callable[[dict], None] = lambda e: None, env: dict | None = None) -> Outcome:
+    """Start `cmd` (with `env` added to this process's environment), follow its events, sample
+    NVML, enforce the time limit; never raises for the worker's own failures."""
     log = run_dir / "worker.log"
     reader, events, timed_out, stopped = EventReader(run_dir), [], False, []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env, preexec_fn=_die_with_parent)

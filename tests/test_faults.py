@@ -129,3 +129,18 @@ def test_a_sigkilled_job_takes_its_worker_along(tmp_path, hung_job):
     while _workers_of(tmp_path):
         assert time.monotonic() < deadline, "the worker outlived its job"
         time.sleep(0.2)
+
+
+def test_alloc_conf_reaches_the_worker_and_an_exported_one_is_recorded(tmp_path, hung_job, monkeypatch):
+    """alloc_conf is the worker's PYTORCH_CUDA_ALLOC_CONF (read by the caching allocator when CUDA
+    starts, so it must be in the worker's environment from its start); left null, the one the
+    job inherits is recorded in the row, and so in its run_id."""
+    job = hung_job("alloc_conf=expandable_segments:True", "timeout_s=60")
+    (worker,) = _workers_of(tmp_path)
+    assert worker.environ()["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    job.kill()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    proc = run_cli([], tmp_path / "exported")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = results_under(tmp_path / "exported")
+    assert row["status"] == "ok" and row["config"]["alloc_conf"] == "max_split_size_mb:64"

@@ -61,6 +61,20 @@ def test_fsdp_accumulation_on_one_rank_is_predicted_in_both_sync_modes(tmp_path)
     assert max(peaks) == pytest.approx(min(peaks), rel=0.05)
 
 
+def test_allocator_settings_are_an_axis_and_a_bad_one_is_a_row(tmp_path):
+    """alloc_conf changes how the caching allocator reserves, never what the step allocates; a
+    setting torch rejects fails its own point, with torch's reason, and the others still run."""
+    proc = run_cli(["-m", "model=gpt2", "batch_size=8", "seq_len=512", "steps=3", "device=cuda",
+                    "alloc_conf=null,expandable_segments:True,bogus_setting:1"], tmp_path, fast=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["config"]["alloc_conf"]: r for r in results_under(tmp_path)}
+    assert rows["bogus_setting:1"]["status"] == "error" and "bogus_setting" in rows["bogus_setting:1"]["reason"]
+    assert rows[None]["status"] == rows["expandable_segments:True"]["status"] == "ok"
+    default, expandable = rows[None]["metrics"], rows["expandable_segments:True"]["metrics"]
+    assert default["peak_allocated_mib"] == pytest.approx(expandable["peak_allocated_mib"], rel=0.01)
+    assert expandable["peak_reserved_mib"] >= expandable["peak_allocated_mib"]
+
+
 def test_the_traced_step_allocates_what_an_untraced_step_does():
     """The worker traces one warm-up step for the breakdown and leaves it out of the allocator's
     peaks; this checks that MemTracker's dispatch mode neither changes what a step allocates nor

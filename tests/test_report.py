@@ -297,3 +297,15 @@ def test_an_option_key_sweep_is_measured_against_the_keys_default(tmp_path):
     t = _setting(tmp_path)
     assert t[["Setting", "Δ memory vs baseline"]].values.tolist() == [
         ["Baseline (batch size = 8)", "+0.0%"], ["+ Gradient sync on the last micro-step only", "+8.0%"]]
+
+
+def test_an_allocator_sweep_is_measured_against_the_default_settings(tmp_path):
+    """`-m alloc_conf=null,expandable_segments:True`: null (the default) is the baseline though it
+    sorts last, and the other row names the setting as users would export it."""
+    for name, conf, peak in (("a", "expandable_segments:True", 300.0), ("b", None, 340.0)):
+        r = results.make(name, "ok", None, BASE, {"batch_size": 8, "accumulation": {"steps": 1}, "alloc_conf": conf},
+                         [], metrics={"peak_allocated_mib": peak, "train_latency_s": 1.0})
+        results.write_json(tmp_path / name / "result.json", r)
+    assert tables.varied(load([tmp_path])) == ["alloc_conf"]
+    assert _setting(tmp_path)[["Setting", "Δ memory vs baseline"]].values.tolist() == [
+        ["Baseline (batch size = 8)", "+0.0%"], ["+ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "-11.8%"]]
