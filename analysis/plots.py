@@ -134,7 +134,7 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pa
 def paretos(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path | None]:
     """One Pareto plot per model (pareto-<model>.png when there are several): a small model beats a
     large one in both memory and time, so a shared front would say nothing about the techniques."""
-    from analysis.tables import by_model
+    from analysis.compare import by_model
 
     return [pareto(part, part_labels, out,
                    "pareto.png" if model is None else f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', str(model))}.png")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import tables
+from analysis import compare, tables
 from analysis.load import load
 
 TABLES = ("setting", "batch", "full")
@@ -30,13 +30,13 @@ def _parse_baseline(text: str | None) -> dict[str, str] | None:
 
 def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple[str, ...],
              ladder: bool) -> list[tuple[str, pd.DataFrame]]:
-    """(title, table) in reading order. `bases`: each row's baseline row (tables.baselines); the
-    setting table comes once per model, labelled by what varies within it (tables.by_model)."""
+    """(title, table) in reading order. `bases`: each row's baseline row (compare.baselines); the
+    setting table comes once per model, labelled by what varies within it (compare.by_model)."""
     out = []
     if "setting" in which and ladder:
         out.append(("Setting (ladder)", tables.setting(df, labels, bases.iloc[0], ladder=True)))
     elif "setting" in which:
-        for model, part, part_labels in tables.by_model(df, labels):
+        for model, part, part_labels in compare.by_model(df, labels):
             title = "Setting" + (f": model={model}" if model is not None else "")
             out.append((title, tables.setting(part, part_labels, bases[part.index[0]])))
     if "batch" in which and "batch_size" in labels:
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print(f"no result.json found under {' '.join(args.paths)}", file=sys.stderr)
         return 1
-    labels = args.by or tables.varied(df)
+    labels = args.by or compare.varied(df)
     missing = [c for c in labels if c not in df]
     if missing:
-        print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(tables.varied(df))})", file=sys.stderr)
+        print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(compare.varied(df))})", file=sys.stderr)
         return 2
     df = df.sort_values(labels, kind="stable")
     if df["rung"].notna().any():  # an experiment's rungs (hydra/sweeper=ladder) in the order it lists them
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         bases = pd.Series(df.index[0], index=df.index)  # its first rung
     else:
         try:
-            bases = tables.baselines(df, labels, _parse_baseline(args.baseline))
+            bases = compare.baselines(df, labels, _parse_baseline(args.baseline))
         except ValueError as exc:
             print(exc, file=sys.stderr)
             return 2

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from ablate import results
-from analysis import tables
+from analysis import compare, tables
 from analysis.load import load
 from analysis.report import main
 from helpers import ROOT
@@ -46,8 +46,8 @@ def ladder(tmp_path):
 
 def _setting(root, **kw):
     df = load([root])
-    labels = tables.varied(df)
-    return tables.setting(df, labels, tables.baseline_index(df, labels, None), **kw)
+    labels = compare.varied(df)
+    return tables.setting(df, labels, compare.baseline_index(df, labels, None), **kw)
 
 
 def test_setting_table_labels_deltas_and_oom(ladder):
@@ -81,7 +81,7 @@ def test_batch_table_stops_at_the_first_oom_and_shows_usage_mean_std(tmp_path):
     for b in (9, 16):
         _write(tmp_path, f"b{b}", status="oom", reason="CUDA out of memory", batch=b)
     df = load([tmp_path])
-    (title, t), = tables.batch(df, tables.varied(df)).items()
+    (title, t), = tables.batch(df, compare.varied(df)).items()
     assert list(t["Batch Size"]) == ["1", "2", "4", "7", "8", "9"]  # 16 is past the first OOM
     assert t.iloc[3].tolist() == ["7", "14,736", "86.2 +/- 9.7", "10.00", "52.50"]
     assert t.iloc[5].tolist() == ["9", "OOM", "", "", ""]
@@ -93,10 +93,10 @@ def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
         _write(tmp_path, f"{opt}-{ckpt}", peak=peak, latency=time_s, loss=loss, optimizer=opt, checkpoint=ckpt)
     _write(tmp_path, "err", status="error", reason="worker killed by SIGKILL", optimizer="adafactor")
     df = load([tmp_path])
-    labels = tables.varied(df)
+    labels = compare.varied(df)
     assert labels == ["optimizer", "checkpoint"]
     df = df.sort_values(labels).reset_index(drop=True)
-    full = tables.full(df, labels, tables.baseline_index(df, labels, None))  # adamw / none
+    full = tables.full(df, labels, compare.baseline_index(df, labels, None))  # adamw / none
     # No empty columns: no find_batch run, and nothing measured reserved or NVML memory.
     assert not {"Max micro-batch", "Peak reserved (MiB)", "NVML peak (MiB)"} & set(full) and "TFLOP/s" in full
     err = full[full["optimizer"] == "adafactor"].iloc[0]
@@ -131,7 +131,7 @@ def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_referenc
 def test_the_baseline_is_the_run_most_at_reference_then_an_ok_one(tmp_path):
     def base(*labels):
         df = load([tmp_path]).sort_values(list(labels)).reset_index(drop=True)
-        return df.loc[tables.baseline_index(df, list(labels), None), "run_id"]
+        return df.loc[compare.baseline_index(df, list(labels), None), "run_id"]
 
     _write(tmp_path, "a", status="oom", reason="CUDA out of memory", optimizer="adamw", precision="fp32")
     _write(tmp_path, "b", peak=100, latency=1.0, optimizer="sgd", precision="fp32")
@@ -162,38 +162,38 @@ def test_runs_of_several_models_get_a_setting_table_and_a_baseline_each(tmp_path
     rows = [[c.strip() for c in ln.split("|")[1:5]] for ln in xl.splitlines() if ln.startswith("| ")][1:]
     assert rows == [["Baseline (batch size = 128)", "9,000", "10.00", "+0.0%"], ["+ SGD", "4,500", "10.00", "-50.0%"]]
     df = load([tmp_path]).sort_values(["model", "optimizer"]).reset_index(drop=True)
-    bases = tables.baselines(df, ["model", "optimizer"], None)
+    bases = compare.baselines(df, ["model", "optimizer"], None)
     assert list(tables.full(df, ["model", "optimizer"], bases)["Δ loss vs baseline"]) == \
         ["+0.0%", "+10.0%", "+0.0%", "+25.0%"]
     # --baseline picks the run in every model that has one, and must match somewhere.
-    bases = tables.baselines(df, ["model", "optimizer"], {"optimizer": "sgd"})
+    bases = compare.baselines(df, ["model", "optimizer"], {"optimizer": "sgd"})
     assert list(df.loc[bases, "optimizer"]) == ["sgd"] * 4
     with pytest.raises(ValueError, match="no run matches"):
-        tables.baselines(df, ["model", "optimizer"], {"optimizer": "lion"})
+        compare.baselines(df, ["model", "optimizer"], {"optimizer": "lion"})
 
 
 def test_a_predict_only_plan_shows_predicted_deltas_and_never_mixes_them_with_measured(tmp_path):
     for ckpt, predicted in (("none", 1000.0), ("block", 400.0)):
         _write(tmp_path, ckpt, status="predicted", predicted=predicted, checkpoint=ckpt)
     df = load([tmp_path]).sort_values("checkpoint").reset_index(drop=True)
-    t = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None))
+    t = tables.setting(df, ["checkpoint"], compare.baseline_index(df, ["checkpoint"], None))
     assert t[["Setting", "GPU Memory Peak (MiB)", "Δ memory vs baseline"]].values.tolist() == [
         ["Baseline (batch size = 128)", "~1,000 (predicted)", "~+0.0%"],
         ["+ Block recompute", "~400 (predicted)", "~-60.0%"]]
-    ladder = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None), ladder=True)
+    ladder = tables.setting(df, ["checkpoint"], compare.baseline_index(df, ["checkpoint"], None), ladder=True)
     assert list(ladder["Δ memory vs previous"]) == ["", "~+150.0%"]  # rows in order: block, then none
     _write(tmp_path, "none", peak=900, latency=1.0, predicted=1000.0, checkpoint="none")  # the baseline ran
     df = load([tmp_path]).sort_values("checkpoint").reset_index(drop=True)
-    t = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None))
+    t = tables.setting(df, ["checkpoint"], compare.baseline_index(df, ["checkpoint"], None))
     assert list(t["Δ memory vs baseline"]) == ["+0.0%", ""]  # a prediction is not compared with a measurement
-    ladder = tables.setting(df, ["checkpoint"], tables.baseline_index(df, ["checkpoint"], None), ladder=True)
+    ladder = tables.setting(df, ["checkpoint"], compare.baseline_index(df, ["checkpoint"], None), ladder=True)
     assert list(ladder["Δ memory vs previous"]) == ["", ""]
 
 
 def test_gpu_name_becomes_a_column_when_it_varies(tmp_path):
     _write(tmp_path, "h100", peak=100, latency=1.0)
     _write(tmp_path, "a100", peak=100, latency=2.0, gpu="NVIDIA A100-SXM4-40GB")
-    assert "env_gpu_name" in tables.varied(load([tmp_path]))
+    assert "env_gpu_name" in compare.varied(load([tmp_path]))
 
 
 def test_bad_files_are_named_and_skipped(tmp_path, capsys):
@@ -256,7 +256,7 @@ def test_option_keys_that_vary_within_an_option_become_labelled_columns(tmp_path
     write("d", "none", 3, ib=True)
     write("e", "none", 4, opt="sgd", lr=0.1)
     df = load([tmp_path])
-    labels = tables.varied(df)
+    labels = compare.varied(df)
     assert labels == ["optimizer", "checkpoint", "optimizer.in_backward", "checkpoint.types"]
     assert main([str(tmp_path), "--table", "setting"]) == 0
     t = _setting(tmp_path)
@@ -277,7 +277,7 @@ def test_an_option_key_set_away_from_its_default_is_labelled_even_on_another_opt
     df = load([tmp_path])
     # lr differs only with the option (each file's default); ddp's nproc=2 is away from its
     # default (auto), but the parallel label counts the processes itself.
-    assert tables.varied(df) == ["optimizer", "parallel", "optimizer.in_backward"]
+    assert compare.varied(df) == ["optimizer", "parallel", "optimizer.in_backward"]
     assert list(_setting(tmp_path)["Setting"]) == [
         "Baseline (batch size = 8)", "+ 8-bit AdamW + Optimizer step in backward",
         "+ Adafactor + DDP (2 processes) + Optimizer step in backward"]
@@ -293,7 +293,7 @@ def test_an_option_key_sweep_is_measured_against_the_keys_default(tmp_path):
                          metrics={"peak_allocated_mib": peak, "train_latency_s": 1.0})
         results.write_json(tmp_path / name / "result.json", r)
     df = load([tmp_path])
-    assert tables.varied(df) == ["parallel.sync_each_micro_step"]
+    assert compare.varied(df) == ["parallel.sync_each_micro_step"]
     t = _setting(tmp_path)
     assert t[["Setting", "Δ memory vs baseline"]].values.tolist() == [
         ["Baseline (batch size = 8)", "+0.0%"], ["+ Gradient sync on the last micro-step only", "+8.0%"]]
@@ -306,6 +306,6 @@ def test_an_allocator_sweep_is_measured_against_the_default_settings(tmp_path):
         r = results.make(name, "ok", None, BASE, {"batch_size": 8, "accumulation": {"steps": 1}, "alloc_conf": conf},
                          [], metrics={"peak_allocated_mib": peak, "train_latency_s": 1.0})
         results.write_json(tmp_path / name / "result.json", r)
-    assert tables.varied(load([tmp_path])) == ["alloc_conf"]
+    assert compare.varied(load([tmp_path])) == ["alloc_conf"]
     assert _setting(tmp_path)[["Setting", "Δ memory vs baseline"]].values.tolist() == [
         ["Baseline (batch size = 8)", "+0.0%"], ["+ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "-11.8%"]]

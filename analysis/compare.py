@@ -1,0 +1,104 @@
+"""What a report compares: the columns that vary between runs (they name each row), each group's
+reference option, and the baseline row every delta is taken against (one per model)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from ablate.schema import GROUPS, option_defaults
+from analysis.load import RUN_KEYS, text
+
+# The do-nothing option of each group: a run's label lists only what differs from these.
+BASELINE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
+            "offload": "none", "parallel": "single"}
+# What a grid without a group's do-nothing option is compared against, in order of preference: a
+# `parallel=fsdp,ddp` sweep asks how FSDP does against DDP, a `precision=bf16,bf16_pure` one what
+# pure bf16 saves over AMP.
+FALLBACK = {"parallel": ("ddp",), "precision": ("tf32", "bf16"),
+            "optimizer": ("adamw_foreach", "adamw_fused", "adamw_forloop")}
+# Run keys whose null (or false) is the plain run: a sweep over them is measured against it.
+OFF_KEYS = ("compile", "alloc_conf", "gpu_memory_gib")
+
+
+def varied(df: pd.DataFrame) -> list[str]:
+    """Group, run-key and GPU columns whose value differs between rows (at least `model`), and the
+    option keys ("parallel.backward_prefetch") that differ between rows because a run set them:
+    they differ between runs of the same option, or some run has one away from its option's
+    default (leanest's `optimizer.in_backward: true` on adamw8bit, against a baseline adamw). An
+    option's own defaults (sgd's lr 0.1 against adamw's 6e-4) are part of choosing the option."""
+    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name")
+            if c in df and df[c].astype(str).nunique(dropna=False) > 1]  # null against a value counts
+    keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c and df[c].nunique() > 1]
+    cols += [c for c in keys if (df.groupby(c.split(".")[0], dropna=False)[c].nunique() > 1).any()
+             or any(_set_away_from_default(row, c) for _, row in df.iterrows())]
+    return cols or ["model"]
+
+
+def _set_away_from_default(row: pd.Series, col: str) -> bool:
+    if col in ("parallel.nproc", "parallel.nodes"):  # the parallel label names the processes already
+        return False
+    group, key = col.split(".", 1)
+    defaults = option_defaults(group, str(row[group]))
+    return pd.notna(row[col]) and key in defaults and row[col] != text(defaults[key])
+
+
+def references(df: pd.DataFrame, labels: list[str]) -> dict[str, str]:
+    """Each varied group's reference option among the runs: its do-nothing option, else the first
+    of its FALLBACK options present; a group with neither has no reference."""
+    refs = {}
+    for group in (g for g in labels if g in BASELINE):
+        present = set(df[group].astype(str))
+        ref = next((o for o in (BASELINE[group], *FALLBACK.get(group, ())) if o in present), None)
+        if ref is not None:
+            refs[group] = ref
+    return refs
+
+
+def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> int:
+    """The row every delta is taken against: `--baseline key=value,...`, else the run with the most
+    varied groups at their reference option (all of them, where such a run exists), then the most
+    varied option keys at their option's default (`parallel.sync_each_micro_step=true,false` is
+    measured against true) and run keys off (OFF_KEYS), then the ok runs, then the smallest batch:
+    the first in row order."""
+    if baseline:
+        match = df
+        for key, value in baseline.items():
+            match = match[match[key].astype(str) == str(value)]
+        if match.empty:
+            raise ValueError(f"--baseline {baseline}: no run matches (varied: {', '.join(labels)})")
+        return match.index[0]
+    refs = references(df, labels)
+    at_reference = sum((df[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
+    keys = [c for c in labels if "." in c and c.split(".")[0] in GROUPS]
+    at_default = sum(df.apply(lambda row: not _set_away_from_default(row, c), axis=1).astype(int) for c in keys)
+    at_default += sum((df[c].isna() | (df[c].astype(str) == "False")).astype(int) for c in labels if c in OFF_KEYS)
+    score = pd.DataFrame({"refs": at_reference, "defaults": at_default, "ok": (df["status"] == "ok").astype(int)},
+                         index=df.index)
+    return score.sort_values(["refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
+
+
+def by_model(df: pd.DataFrame, labels: list[str]) -> list[tuple[str | None, pd.DataFrame, list[str]]]:
+    """(model, its runs, the labels that vary within them) per model, in the order the models first
+    appear: a delta between two models says nothing about a technique. One part (model None, the
+    labels as given) when only one model ran."""
+    if "model" not in df or df["model"].nunique() <= 1:
+        return [(None, df, labels)]
+    parts = []
+    for model in df["model"].unique():
+        part = df[df["model"] == model]
+        rest = [c for c in labels if c != "model"]
+        parts.append((model, part, [c for c in rest if part[c].astype(str).nunique() > 1] or rest or labels))
+    return parts
+
+
+def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> pd.Series:
+    """Each row's baseline row (an index of df): one per model. `--baseline` picks it in every
+    model that has a matching run, and must match some run."""
+    if baseline:
+        baseline_index(df, labels, baseline)  # raises if no run at all matches
+    out = pd.Series(0, index=df.index)
+    for _, part, part_labels in by_model(df, labels):
+        try:
+            out[part.index] = baseline_index(part, part_labels, baseline)
+        except ValueError:  # this model has no run like that: its own default baseline
+            out[part.index] = baseline_index(part, part_labels, None)
+    return out
