@@ -111,10 +111,13 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pa
     ax.scatter(x[front], y[front], s=160, facecolors="none", edgecolors="0.2", linewidths=1.2, zorder=2,
                label="Pareto front")
     has_loss = np.isfinite(loss)
-    if has_loss.any():
+    if has_loss.any() and np.ptp(loss[has_loss]) > 1e-6 * np.abs(loss[has_loss]).max():
         sc = ax.scatter(x[has_loss], y[has_loss], c=loss[has_loss], cmap="viridis", s=50,
                         edgecolors="k", linewidths=0.5, zorder=3)
         fig.colorbar(sc, ax=ax, label="final loss")
+    elif has_loss.any():  # one loss for all (techniques that keep the math): a colour scale would invent a spread
+        ax.scatter(x[has_loss], y[has_loss], color=plt.get_cmap("viridis")(0.5), s=50, edgecolors="k",
+                   linewidths=0.5, zorder=3, label=f"final loss {loss[has_loss][0]:.4f} (every run)")
     if (~has_loss).any():
         ax.scatter(x[~has_loss], y[~has_loss], color="0.7", s=50, edgecolors="k", linewidths=0.5,
                    zorder=3, label="no final loss")

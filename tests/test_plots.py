@@ -129,3 +129,14 @@ def test_several_models_get_a_pareto_plot_each(runs, tmp_path):
     for path in paths:
         _assert_real_png(path, path.name)
     assert [p.name for p in plots.paretos(runs, LABELS, tmp_path / "one")] == ["pareto.png"]
+
+
+def test_pareto_colours_by_loss_only_where_losses_differ(runs, tmp_path, monkeypatch):
+    """Recompute, offload, DDP/FSDP keep the math: every run ends at the same loss, and a colour
+    bar would stretch float noise over a whole scale. One colour then, the loss in the legend."""
+    bars = []
+    monkeypatch.setattr(plots.plt.Figure, "colorbar", lambda self, *a, **k: bars.append(k.get("label")))
+    plots.pareto(runs, LABELS, tmp_path / "differ")
+    assert bars == ["final loss"]
+    _assert_real_png(plots.pareto(runs.assign(loss_final=2.5), LABELS, tmp_path / "same"), "pareto.png")
+    assert bars == ["final loss"]  # no second colour bar
