@@ -43,7 +43,8 @@ class Progress:
         predicted = (result.get("prediction") or {}).get("peak_mib")
         if result["status"] == "ok":
             peak = m["peak_allocated_mib"]
-            detail = (f"peak {_fmt(peak, '.1f', ' MiB')} (predicted {_fmt(predicted, '.1f')})"
+            error = f", {100 * (predicted / peak - 1):+.1f}%" if predicted and peak else ""  # the model's own check
+            detail = (f"peak {_fmt(peak, '.1f', ' MiB')} (predicted {_fmt(predicted, '.1f')}{error})"
                       f"  iter {_fmt(m['iter_time_ms'], '.1f', ' ms')}"
                       f"  {_fmt(m['tokens_per_s'], ',.0f', ' tok/s')}  loss {_fmt(m['loss_final'], '.4f')}")
         elif result["status"] == "predicted":

@@ -97,6 +97,8 @@ def test_defaults_run_in_under_a_minute_with_an_exact_params_breakdown(tmp_path)
     (result,) = results_under(tmp_path)
     m = result["metrics"]
     assert result["status"] == "ok" and math.isfinite(m["loss_final"]) and m["tokens_per_s"] > 0
+    error = 100 * (result["prediction"]["peak_mib"] / m["peak_allocated_mib"] - 1)
+    assert f"(predicted {result['prediction']['peak_mib']:.1f}, {error:+.1f}%)" in proc.stdout  # its own check
     n_params = GPT(gpt_config(compose_config()["model"])).num_params()
     assert m["breakdown_mib"]["params"] == pytest.approx(n_params * 4 / 2**20, rel=1e-9)  # fp32
 
