@@ -25,12 +25,17 @@ def varied(df: pd.DataFrame) -> list[str]:
     they differ between runs of the same option, or some run has one away from its option's
     default (leanest's `optimizer.in_backward: true` on adamw8bit, against a baseline adamw). An
     option's own defaults (sgd's lr 0.1 against adamw's 6e-4) are part of choosing the option."""
-    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name")
-            if c in df and df[c].astype(str).nunique(dropna=False) > 1]  # null against a value counts
+    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and _varies(df[c])]
     keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c and df[c].nunique() > 1]
     cols += [c for c in keys if (df.groupby(c.split(".")[0], dropna=False)[c].nunique() > 1).any()
              or any(_set_away_from_default(row, c) for _, row in df.iterrows())]
     return cols or ["model"]
+
+
+def _varies(column: pd.Series) -> bool:
+    """More than one value, a null against a value included (pandas 3's str dtype keeps nulls
+    through astype(str), and nunique drops them by default)."""
+    return column.astype(str).nunique(dropna=False) > 1
 
 
 def _set_away_from_default(row: pd.Series, col: str) -> bool:
@@ -86,7 +91,7 @@ def by_model(df: pd.DataFrame, labels: list[str]) -> list[tuple[str | None, pd.D
     for model in df["model"].unique():
         part = df[df["model"] == model]
         rest = [c for c in labels if c != "model"]
-        parts.append((model, part, [c for c in rest if part[c].astype(str).nunique() > 1] or rest or labels))
+        parts.append((model, part, [c for c in rest if _varies(part[c])] or rest or labels))
     return parts
 
 

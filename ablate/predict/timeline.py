@@ -65,7 +65,7 @@ class Sizes:
     root: Unit | None = None  # FSDP only
     block: Unit | None = None
     reshard: bool = True  # FSDP frees gathered parameters after forward (ZeRO-3), else after backward
-    sync_each: bool = True  # FSDP reduce-scatters every micro-step, else only the last (whole grads kept)
+    sync_each: bool = False  # FSDP only: reduce-scatter every micro-step, not only the last (whole grads kept)
     upcast: bool = False  # FSDP under autocast sums micro-steps' whole gradients in fp32 beside .grad
     c: int = 4  # bytes/element of the compute dtype (what Linear, SDPA and GELU produce)
     r: int = 4  # bytes/element of the residual stream: the parameter dtype (fp32 under autocast),
@@ -197,7 +197,7 @@ class Step:
         """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
         (briefly both), or stepped and freed at once (optimizer.in_backward), or copied into its
         DDP bucket, which .grad then views (gradient_as_bucket_view)."""
-        whole_kept = self.have_grads and not (self.z.root is not None and self.z.sync_each)  # FSDP: sharded
+        whole_kept = self.have_grads and not self.z.sync_each  # FSDP syncing each micro-step shards them
         if self.z.in_backward or self.z.grads_in_buckets or (whole_kept and not self.z.upcast):
             self.tl.transient("grads", nbytes)
         else:
