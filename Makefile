@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_FLOOR := 2.11
 DEMO_DIR ?= outputs/sweeps/demo
 
-.PHONY: demo test install install-dev clean
+.PHONY: demo test test-slow install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ demo: install
 
 test: install-dev
 	$(PY) -m pytest -q
+
+# The long CPU tests (the preset benchmarks at toy size, torch.compile): CI runs them after `make test`.
+test-slow: install-dev
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

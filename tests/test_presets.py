@@ -120,6 +120,7 @@ def rows(md: str, heading: str) -> list[str]:
     return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
 
 
+@pytest.mark.slow
 def test_ladder_benchmark_on_a_cpu(tmp_path):
     md = bench("gpt2_large_ladder", tmp_path, "data.train_samples=128", "samples=256")
     assert rows(md, "Setting (ladder)") == [

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +61,18 @@ def test_make_fills_every_key_with_null():
     assert all(v is None for v in r["metrics"].values()) and all(v is None for v in r["env"].values())
     with pytest.raises(AssertionError):
         results.make("abc", "crashed", None, {}, {}, [])
+
+
+def test_readme_explains_every_field_of_the_result_contract():
+    """Users read result.json through the README's field table: a metric, env key or status added
+    to the contract without a line there fails here."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## What each number means", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z0-9_.]+)`", section))
+    named |= {n.split(".", 1)[1] for n in named if n.count(".") == 1}  # `env.emulated_gpu_mib`
+    named |= {n + suffix for n in named for suffix in ("_p10", "_p90", "_std")}  # "(+ `_p10`, `_p90`)"
+    missing = [k for k in (*results.METRIC_KEYS, *results.STATUSES, "emulated_gpu_mib") if k not in named]
+    assert not missing, f"README's 'What each number means' does not explain {missing}"
 
 
 def test_write_json_is_atomic_and_rejects_nan(tmp_path):
