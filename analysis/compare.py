@@ -59,26 +59,42 @@ def references(df: pd.DataFrame, labels: list[str]) -> dict[str, str]:
 
 
 def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> int:
-    """The row every delta is taken against: `--baseline key=value,...`, else the run with the most
-    varied groups at their reference option (all of them, where such a run exists), then the most
-    varied option keys at their option's default (`parallel.sync_each_micro_step=true,false` is
-    measured against true) and run keys off (OFF_KEYS), then the ok runs, then the smallest batch:
-    the first in row order."""
-    if baseline:
-        match = df
-        for key, value in baseline.items():
-            match = match[match[key].astype(str) == str(value)]
-        if match.empty:
-            raise ValueError(f"--baseline {baseline}: no run matches (varied: {', '.join(labels)})")
-        return match.index[0]
+    """The row every delta is taken against: the run with the most varied groups at their reference
+    option (all of them, where such a run exists), then the most varied option keys at their
+    option's default (`parallel.sync_each_micro_step=true,false` is measured against true) and run
+    keys off (OFF_KEYS), then the ok runs, then the smallest batch: the first in row order.
+    `--baseline key=value,...` narrows the candidates first, and the same rule picks among them:
+    `--baseline parallel=fsdp` over `parallel=fsdp,ddp checkpoint=none,block` is FSDP without
+    recompute, whatever order the rows come in."""
+    candidates = _matching(df, labels, baseline) if baseline else df
     refs = references(df, labels)
-    at_reference = sum((df[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
+    at_reference = sum((candidates[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
     keys = [c for c in labels if "." in c and c.split(".")[0] in GROUPS]
-    at_default = sum(df.apply(lambda row: not _set_away_from_default(row, c), axis=1).astype(int) for c in keys)
-    at_default += sum((df[c].isna() | (df[c].astype(str) == "False")).astype(int) for c in labels if c in OFF_KEYS)
-    score = pd.DataFrame({"refs": at_reference, "defaults": at_default, "ok": (df["status"] == "ok").astype(int)},
-                         index=df.index)
+    at_default = sum(candidates.apply(lambda row: not _set_away_from_default(row, c), axis=1).astype(int)
+                     for c in keys)
+    at_default += sum((candidates[c].isna() | (candidates[c].astype(str) == "False")).astype(int)
+                      for c in labels if c in OFF_KEYS)
+    ok = (candidates["status"] == "ok").astype(int)
+    score = pd.DataFrame({"refs": at_reference, "defaults": at_default, "ok": ok}, index=candidates.index)
     return score.sort_values(["refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
+
+
+def _matching(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]) -> pd.DataFrame:
+    """The runs with every `--baseline` key=value (values compared as text); a ValueError naming
+    the key and what the runs have otherwise."""
+    match, given = df, []
+    for key, value in baseline.items():
+        if key not in df:
+            raise ValueError(f"--baseline {key}={value}: no run has a column {key!r}; the columns that vary "
+                             f"here are {', '.join(labels)}")
+        narrowed = match[match[key].astype(str) == str(value)]
+        if narrowed.empty:
+            present = sorted(set(match[key].astype(str)))
+            where = f" among the runs with {', '.join(given)}" if given else ""
+            raise ValueError(f"--baseline {key}={value}: no run matches; {key} is one of "
+                             f"{', '.join(present)}{where}")
+        match, given = narrowed, [*given, f"{key}={value}"]
+    return match
 
 
 def by_model(df: pd.DataFrame, labels: list[str]) -> list[tuple[str | None, pd.DataFrame, list[str]]]:

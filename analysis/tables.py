@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from ablate.schema import GROUPS
-from analysis.compare import references
+from analysis.compare import BASELINE, references
 
 NAMES = {
     ("checkpoint", "block"): "Block recompute", ("checkpoint", "every2"): "Recompute every 2nd block",
@@ -62,9 +62,16 @@ def failed(row: pd.Series) -> str:
 
 
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
-    """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'."""
+    """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'.
+    A baseline away from a varied group's do-nothing option says so, 'Baseline (batch size = 8):
+    DDP (2 processes)', or a reader of `parallel=fsdp,ddp`'s table could not tell what '+ FSDP'
+    replaced."""
     if row.name == base.name:
-        return f"Baseline (batch size = {row['batch_size']})"
+        do_nothing = row.copy()
+        for group in BASELINE.keys() & set(labels):
+            do_nothing[group] = BASELINE[group]
+        own = changes(row, do_nothing, [c for c in labels if c in BASELINE])
+        return f"Baseline (batch size = {row['batch_size']})" + (": " + " + ".join(own) if own else "")
     parts = changes(row, base, labels)
     return "+ " + " + ".join(parts) if parts else "Baseline (repeat)"
 

@@ -112,8 +112,8 @@ def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
 
 def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_reference(tmp_path, capsys):
     """`-m parallel=fsdp,ddp checkpoint=none,block` has no single-process run: DDP is the reference,
-    the baseline is none+ddp (not whichever row sorts first), the Setting table opens with it, and
-    single changes come before their combination."""
+    the baseline is none+ddp (not whichever row sorts first), the Setting table opens with it and
+    names it DDP, and single changes come before their combination."""
     for par, ckpt, peak in (("ddp", "none", 1000), ("fsdp", "none", 800), ("ddp", "block", 600),
                             ("fsdp", "block", 400)):
         _write(tmp_path, f"{par}-{ckpt}", peak=peak, latency=10.0, parallel=par, checkpoint=ckpt)
@@ -121,12 +121,29 @@ def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_referenc
     out = capsys.readouterr().out
     settings = [ln.split("|")[1:4] for ln in out.split("## All runs")[0].splitlines() if ln.startswith("| ")][1:]
     assert [[c.strip() for c in row] for row in settings] == [
-        ["Baseline (batch size = 128)", "1,000", "10.00"], ["+ Block recompute", "600", "10.00"],
+        ["Baseline (batch size = 128): DDP (1 process)", "1,000", "10.00"], ["+ Block recompute", "600", "10.00"],
         ["+ FSDP (1 process)", "800", "10.00"], ["+ Block recompute + FSDP (1 process)", "400", "10.00"]]
     m = tables.marginal(load([tmp_path]), ["checkpoint", "parallel"]).set_index(["Group", "Option"])
     assert m.loc[("parallel", "fsdp")].tolist() == ["ddp", "-26.7%", "+0.0%", "+0.0%", "2", "0"]  # -20%, -33%
     assert m.loc[("checkpoint", "block")][["Against", "Pairs"]].tolist() == ["none", "2"]
 
+
+def test_baseline_option_narrows_the_runs_and_the_usual_rule_picks_among_them(tmp_path, capsys):
+    """`--baseline parallel=fsdp` over the mission's 2 x 2 grid is FSDP without recompute whatever
+    order the rows load in, and a key or value no run has is a message naming what there is."""
+    for par, ckpt, peak in (("fsdp", "block", 400), ("ddp", "none", 1000), ("fsdp", "none", 800),
+                            ("ddp", "block", 600)):
+        _write(tmp_path, f"{par}-{ckpt}", peak=peak, latency=10.0, parallel=par, checkpoint=ckpt)
+    assert main([str(tmp_path), "--table", "setting", "--baseline", "parallel=fsdp"]) == 0
+    settings = [ln.split("|")[1:3] for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")][1:]
+    assert [[c.strip() for c in row] for row in settings][:2] == [
+        ["Baseline (batch size = 128): FSDP (1 process)", "800"], ["+ Block recompute", "400"]]
+    assert main([str(tmp_path), "--baseline", "parallel=fsdp,checkpoint=every2"]) == 2
+    assert "--baseline checkpoint=every2: no run matches; checkpoint is one of block, none among the runs " \
+           "with parallel=fsdp" in capsys.readouterr().err
+    assert main([str(tmp_path), "--baseline", "optimiser=sgd"]) == 2
+    assert "no run has a column 'optimiser'; the columns that vary here are checkpoint, parallel" in \
+        capsys.readouterr().err
 
 def test_the_baseline_is_the_run_most_at_reference_then_an_ok_one(tmp_path):
     def base(*labels):
