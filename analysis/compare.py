@@ -115,7 +115,7 @@ def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | No
     """Each row's baseline row (an index of df): one per model. `--baseline` picks it in every
     model that has a matching run, and must match some run."""
     if baseline:
-        baseline_index(df, labels, baseline)  # raises if no run at all matches
+        _matching(df, labels, baseline)  # raises if no run at all matches
     out = pd.Series(0, index=df.index)
     for _, part, part_labels in by_model(df, labels):
         try:

@@ -67,10 +67,7 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     DDP (2 processes)', or a reader of `parallel=fsdp,ddp`'s table could not tell what '+ FSDP'
     replaced."""
     if row.name == base.name:
-        do_nothing = row.copy()
-        for group in BASELINE.keys() & set(labels):
-            do_nothing[group] = BASELINE[group]
-        own = changes(row, do_nothing, [c for c in labels if c in BASELINE])
+        own = changes(row, pd.Series(BASELINE), [c for c in labels if c in BASELINE])
         return f"Baseline (batch size = {row['batch_size']})" + (": " + " + ".join(own) if own else "")
     parts = changes(row, base, labels)
     return "+ " + " + ".join(parts) if parts else "Baseline (repeat)"
