@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(compare.varied(df))})", file=sys.stderr)
         return 2
+    hidden = [c for c in compare.varied(df) if c not in labels]
+    if hidden:  # else two runs a hidden column tells apart read as "Baseline (repeat)" with no hint why
+        verb = "varies" if len(hidden) == 1 else "vary"
+        print(f"note: {', '.join(hidden)} also {verb} between these runs but not in --by's labels; runs that "
+              f"differ only there read alike", file=sys.stderr)
     df = df.sort_values(labels, kind="stable")
     if df["rung"].notna().any():  # an experiment's rungs (hydra/sweeper=ladder) in the order it lists them
         df = df.sort_values("rung", kind="stable")

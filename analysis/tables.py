@@ -28,6 +28,9 @@ NAMES = {
     ("parallel.sync_each_micro_step", "False"): "Gradient sync on the last micro-step only",
     ("parallel.sync_each_micro_step", "True"): "Gradient sync every micro-step",
 }
+# Groups whose do-nothing option is the absence of a technique: leaving one is a removal. An
+# optimizer or precision is always some option, so a row on another one reads "+ AdamW", a swap.
+REMOVABLE = ("accumulation", "checkpoint", "offload", "parallel")
 MEMORY = "peak_allocated_mib"
 FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
             "training (on CPU, the peak of live tensor bytes traced by torch's MemTracker); MiB = 2^20 bytes. "
@@ -70,16 +73,19 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
         own = changes(row, pd.Series(BASELINE), [c for c in labels if c in BASELINE])
         return f"Baseline (batch size = {row['batch_size']})" + (": " + " + ".join(own) if own else "")
     parts = changes(row, base, labels)
-    return "+ " + " + ".join(parts) if parts else "Baseline (repeat)"
+    return " ".join(p if p.startswith("− ") else "+ " + p for p in parts) if parts else "Baseline (repeat)"
 
 
 def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
-    """What `row` changes against `base`, one readable name per technique."""
+    """What `row` changes against `base`, one readable name per technique; a technique `row` drops
+    (back to its group's do-nothing option) is "− " and the name of what `base` had."""
     parts = []
     for col in labels:
         if str(row[col]) == str(base[col]):
             continue
-        if col == "accumulation":
+        if col in REMOVABLE and str(row[col]) == BASELINE[col]:  # "− Block recompute", not "+ checkpoint=none"
+            parts.append("− " + changes(base, row, [col])[0])
+        elif col == "accumulation":
             steps = int(row.get("accumulation_steps") or 1)
             parts.append(f"Gradient accumulation ({row['batch_size'] // steps} × {steps} = {row['batch_size']})")
         elif col == "parallel":

@@ -138,6 +138,12 @@ def test_baseline_option_narrows_the_runs_and_the_usual_rule_picks_among_them(tm
     settings = [ln.split("|")[1:3] for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")][1:]
     assert [[c.strip() for c in row] for row in settings][:2] == [
         ["Baseline (batch size = 128): FSDP (1 process)", "800"], ["+ Block recompute", "400"]]
+    # A baseline with recompute: the runs without it drop a technique, they add none.
+    assert main([str(tmp_path), "--table", "setting", "--baseline", "parallel=fsdp,checkpoint=block"]) == 0
+    settings = [ln.split("|")[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")][1:]
+    assert [c.strip() for c in settings] == [
+        "Baseline (batch size = 128): Block recompute + FSDP (1 process)", "+ DDP (1 process)",
+        "− Block recompute", "− Block recompute + DDP (1 process)"]
     assert main([str(tmp_path), "--baseline", "parallel=fsdp,checkpoint=every2"]) == 2
     assert "--baseline checkpoint=every2: no run matches; checkpoint is one of block, none among the runs " \
            "with parallel=fsdp" in capsys.readouterr().err
@@ -326,3 +332,15 @@ def test_an_allocator_sweep_is_measured_against_the_default_settings(tmp_path):
     assert compare.varied(load([tmp_path])) == ["alloc_conf"]
     assert _setting(tmp_path)[["Setting", "Δ memory vs baseline"]].values.tolist() == [
         ["Baseline (batch size = 8)", "+0.0%"], ["+ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "-11.8%"]]
+
+
+def test_by_names_the_varied_columns_it_leaves_out(tmp_path, capsys):
+    """`--by checkpoint` over an optimizer x checkpoint grid labels two runs alike per checkpoint
+    option: stderr says which varied column the labels leave out, and a full default label says nothing."""
+    for opt, ckpt, peak in (("adamw", "none", 1000), ("sgd", "none", 800), ("adamw", "block", 600),
+                            ("sgd", "block", 400)):
+        _write(tmp_path, f"{opt}-{ckpt}", peak=peak, latency=10.0, optimizer=opt, checkpoint=ckpt)
+    assert main([str(tmp_path), "--table", "setting", "--by", "checkpoint"]) == 0
+    assert "note: optimizer also varies between these runs but not in --by's labels" in capsys.readouterr().err
+    assert main([str(tmp_path), "--table", "setting"]) == 0
+    assert "note:" not in capsys.readouterr().err
