@@ -53,9 +53,13 @@ def check_config(cfg: dict, device: str = "auto") -> Techniques:
     model = cfg["model"]
     if cfg["seq_len"] > model["block_size"]:
         raise Invalid(f"seq_len={cfg['seq_len']} > model.block_size={model['block_size']}")
-    for key in ("batch_size", "seq_len"):
-        if cfg[key] < 1:
+    for key in ("batch_size", "seq_len", "steps", "samples"):  # steps=0 would report an ok run that timed nothing
+        if cfg.get(key) is not None and cfg[key] < 1:
             raise Invalid(f"{key}={cfg[key]} must be >= 1")
+    if cfg["warmup_steps"] < 0:
+        raise Invalid(f"warmup_steps={cfg['warmup_steps']} must be >= 0")
+    if model["n_embd"] % model["n_head"]:  # else the model's own assert fails inside a worker
+        raise Invalid(f"model.n_embd={model['n_embd']} is not divisible by model.n_head={model['n_head']}")
     if cfg.get("gpu_memory_gib") is not None:
         MemoryLimit(cfg["gpu_memory_gib"], torch.device("cpu"))  # rejects a card smaller than the CUDA context
     if cfg["compile"] and cfg["warmup_steps"] < 2:

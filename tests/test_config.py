@@ -93,6 +93,13 @@ def test_invalid_combination_names_the_keys():
         check_config(compose_config(["batch_size=6", "accumulation.steps=4"]))
     with pytest.raises(Invalid, match="seq_len=2048 > model.block_size=1024"):
         check_config(compose_config(["seq_len=2048"]))
+    # A run that measures no step is no result (steps=0 was an ok row with no timing at all).
+    for bad, message in (("steps=0", "steps=0 must be >= 1"), ("samples=0", "samples=0 must be >= 1"),
+                         ("warmup_steps=-1", "warmup_steps=-1 must be >= 0"),
+                         ("model.n_head=5", "model.n_embd=192 is not divisible by model.n_head=5")):
+        with pytest.raises(Invalid, match=message):
+            check_config(compose_config([bad]))
+    check_config(compose_config(["warmup_steps=0", "samples=1"]))
 
 
 def test_hydra_writes_sweeps_under_outputs_not_multirun():
