@@ -58,6 +58,8 @@ def check_config(cfg: dict, device: str = "auto") -> Techniques:
             raise Invalid(f"{key}={cfg[key]} must be >= 1")
     if cfg["warmup_steps"] < 0:
         raise Invalid(f"warmup_steps={cfg['warmup_steps']} must be >= 0")
+    if cfg["timeout_s"] <= 0:  # else a timeout row for a worker killed before it could start
+        raise Invalid(f"timeout_s={cfg['timeout_s']} must be > 0 (seconds one worker may run)")
     if model["n_embd"] % model["n_head"]:  # else the model's own assert fails inside a worker
         raise Invalid(f"model.n_embd={model['n_embd']} is not divisible by model.n_head={model['n_head']}")
     if cfg.get("gpu_memory_gib") is not None:
