@@ -25,20 +25,20 @@ def varied(df: pd.DataFrame) -> list[str]:
     they differ between runs of the same option, or some run has one away from its option's
     default (leanest's `optimizer.in_backward: true` on adamw8bit, against a baseline adamw). An
     option's own defaults (sgd's lr 0.1 against adamw's 6e-4) are part of choosing the option."""
-    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and _varies(df[c])]
-    keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c and df[c].nunique() > 1]
+    cols = [c for c in (*GROUPS, *RUN_KEYS, "env_gpu_name") if c in df and varies(df[c])]
+    keys = [c for c in df.columns if c.split(".")[0] in GROUPS and "." in c and varies(df[c])]
     cols += [c for c in keys if (df.groupby(c.split(".")[0], dropna=False)[c].nunique() > 1).any()
-             or any(_set_away_from_default(row, c) for _, row in df.iterrows())]
+             or any(set_away_from_default(row, c) for _, row in df.iterrows())]
     return cols or ["model"]
 
 
-def _varies(column: pd.Series) -> bool:
+def varies(column: pd.Series) -> bool:
     """More than one value, a null against a value included (pandas 3's str dtype keeps nulls
     through astype(str), and nunique drops them by default)."""
     return column.astype(str).nunique(dropna=False) > 1
 
 
-def _set_away_from_default(row: pd.Series, col: str) -> bool:
+def set_away_from_default(row: pd.Series, col: str) -> bool:
     if col in ("parallel.nproc", "parallel.nodes"):  # the parallel label names the processes already
         return False
     group, key = col.split(".", 1)
@@ -70,7 +70,7 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     refs = references(df, labels)
     at_reference = sum((candidates[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
     keys = [c for c in labels if "." in c and c.split(".")[0] in GROUPS]
-    at_default = sum(candidates.apply(lambda row: not _set_away_from_default(row, c), axis=1).astype(int)
+    at_default = sum(candidates.apply(lambda row: not set_away_from_default(row, c), axis=1).astype(int)
                      for c in keys)
     at_default += sum((candidates[c].isna() | (candidates[c].astype(str) == "False")).astype(int)
                       for c in labels if c in OFF_KEYS)
@@ -107,7 +107,7 @@ def by_model(df: pd.DataFrame, labels: list[str]) -> list[tuple[str | None, pd.D
     for model in df["model"].unique():
         part = df[df["model"] == model]
         rest = [c for c in labels if c != "model"]
-        parts.append((model, part, [c for c in rest if _varies(part[c])] or rest or labels))
+        parts.append((model, part, [c for c in rest if varies(part[c])] or rest or labels))
     return parts
 
 

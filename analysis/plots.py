@@ -18,6 +18,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from analysis.compare import varies  # noqa: E402
+
 DPI = 150
 MEMORY = "peak_allocated_mib"
 # (breakdown component, legend text), stacked in this order: what the model owns, then what training adds.
@@ -45,7 +47,7 @@ def _fmt(value) -> str:
 
 def _label(row: pd.Series, labels: list[str]) -> str:
     """Short run name: the label columns' values, e.g. "sgd / 8"."""
-    cols = [c for c in labels if c in row.index]
+    cols = [c for c in labels if c in row.index and not ("." in c and pd.isna(row[c]))]  # a key its option lacks
     return " / ".join(_fmt(row[c]) for c in cols) if cols else _fmt(row.get("run_id"))
 
 
@@ -179,9 +181,11 @@ def _series(df: pd.DataFrame, others: list[str]):
     if not others:
         yield "all runs", df
         return
-    keys = df[others].astype(str)
+    # "" for an option key the run's option lacks: pandas 3's astype(str) keeps nulls, and a
+    # groupby drops null keys, which dropped those runs from the plot.
+    keys = df[others].fillna("").astype(str)
     for key, part in keys.groupby(others, sort=True):  # keys are tuples when grouping by a list
-        yield " / ".join(key), df.loc[part.index]
+        yield " / ".join(k for k in key if k), df.loc[part.index]
 
 
 def _mark_oom(ax, sizes, y: float, text: bool) -> None:
@@ -227,7 +231,8 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
             title="Throughput" + (" (x on axis = OOM)" if oom else ""))
     for ax in (mem, tfl):
         ax.grid(alpha=0.3)
-    tfl.legend(title=" / ".join(others) or None, fontsize=8)
+    if tfl.get_legend_handles_labels()[0]:  # no TFLOP/s line (CPU runs without them): no empty legend
+        tfl.legend(title=" / ".join(others) or None, fontsize=8)
     fig.suptitle(f"Batch-size scan{_device(df)}")
     return _save(fig, out, "batch_scan.png")
 
@@ -244,11 +249,11 @@ def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     if df.empty or "losses" not in df:
         return df.iloc[0:0]
     runs = df[_status(df, "ok") & df["losses"].map(lambda v: _curve(v) is not None)]
-    keys = [c for c in labels if c in runs and c not in LOSS_VARIANTS]
+    keys = [c for c in labels if c in runs and c.split(".")[0] not in LOSS_VARIANTS]  # optimizer.lr is the optimizer's
     if not keys:
         return runs if len(runs) >= 2 else runs.iloc[0:0]
     # ties go to the group met first in the data (the sweep's order)
-    groups = [part.index for _, part in runs[keys].astype(str).groupby(keys, sort=False)]
+    groups = [part.index for _, part in runs[keys].fillna("").astype(str).groupby(keys, sort=False)]  # as _series
     best = max(groups, key=len, default=[])
     return runs.loc[best] if len(best) >= 2 else runs.iloc[0:0]
 
@@ -258,8 +263,8 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
     group = loss_group(df, labels)
     if len(group) < 2:
         return None
-    named = [c for c in LOSS_VARIANTS if c in group and group[c].astype(str).nunique() > 1]
-    fixed = [c for c in labels if c in group and c not in LOSS_VARIANTS]
+    named = [c for c in labels if c in group and c.split(".")[0] in LOSS_VARIANTS and varies(group[c])]
+    fixed = [c for c in labels if c in group and c.split(".")[0] not in LOSS_VARIANTS]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for _, row in group.iterrows():
         y = _curve(row["losses"])

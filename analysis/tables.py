@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from ablate.schema import GROUPS
-from analysis.compare import BASELINE, references
+from analysis.compare import BASELINE, references, set_away_from_default
 
 NAMES = {
     ("checkpoint", "block"): "Block recompute", ("checkpoint", "every2"): "Recompute every 2nd block",
@@ -70,7 +70,8 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     DDP (2 processes)', or a reader of `parallel=fsdp,ddp`'s table could not tell what '+ FSDP'
     replaced."""
     if row.name == base.name:
-        own = changes(row, pd.Series(BASELINE), [c for c in labels if c in BASELINE])
+        cols = [c for c in labels if c.split(".")[0] in BASELINE]  # groups and their option keys
+        own = changes(row, pd.Series({**BASELINE, **{c: None for c in cols if "." in c}}), cols)
         return f"Baseline (batch size = {row['batch_size']})" + (": " + " + ".join(own) if own else "")
     parts = changes(row, base, labels)
     return " ".join(p if p.startswith("− ") else "+ " + p for p in parts) if parts else "Baseline (repeat)"
@@ -81,13 +82,14 @@ def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
     (back to its group's do-nothing option) is "− " and the name of what `base` had."""
     parts = []
     for col in labels:
-        if str(row[col]) == str(base[col]):
+        if str(row[col]) == str(base[col]) or ("." in col and _implied(row, base, col)):
             continue
         if col in REMOVABLE and str(row[col]) == BASELINE[col]:  # "− Block recompute", not "+ checkpoint=none"
             parts.append("− " + changes(base, row, [col])[0])
         elif col == "accumulation":
-            steps = int(row.get("accumulation_steps") or 1)
-            parts.append(f"Gradient accumulation ({row['batch_size'] // steps} × {steps} = {row['batch_size']})")
+            steps, batch = int(row.get("accumulation_steps") or 1), row["batch_size"]
+            parts.append(f"Gradient accumulation ({batch // steps} × {steps} = {batch})" if batch % steps == 0
+                         else f"Gradient accumulation ({steps} steps, batch size {batch})")  # an invalid row
         elif col == "parallel":
             world = row.get("env_world_size")
             world = world if pd.notna(world) else row.get("parallel.nproc")  # an invalid row never ran
@@ -103,6 +105,16 @@ def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
         else:
             parts.append(f"{col.replace('_', ' ')} = {row[col]}")
     return parts
+
+
+def _implied(row: pd.Series, base: pd.Series, col: str) -> bool:
+    """An option key ("optimizer.lr") that the row's option already says: one the option lacks
+    (null), or its own default on an option other than the base's (SGD's lr 0.1 is part of "+ SGD")."""
+    group = col.split(".")[0]
+    if pd.isna(row[col]) or col == "checkpoint.types":  # the types qualify the name, default or not
+        return pd.isna(row[col])
+    other_option = str(row[group]) != str(base[group]) or pd.isna(base[col])  # null: against BASELINE
+    return other_option and not set_away_from_default(row, col)
 
 
 def memory_delta(row: pd.Series, base: pd.Series) -> str:
@@ -155,7 +167,7 @@ def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
     tables = {}
     for key, part in (df.groupby(others, sort=False, dropna=False) if others else [((), df)]):
         key = key if isinstance(key, tuple) else (key,)
-        title = ", ".join(f"{c}={v}" for c, v in zip(others, key)) or "all runs"
+        title = ", ".join(f"{c}={v}" for c, v in zip(others, key) if pd.notna(v)) or "all runs"  # null: unset
         rows = []
         for _, row in part.sort_values("batch_size").iterrows():
             ok = row["status"] == "ok"

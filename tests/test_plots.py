@@ -140,3 +140,17 @@ def test_pareto_colours_by_loss_only_where_losses_differ(runs, tmp_path, monkeyp
     assert bars == ["final loss"]
     _assert_real_png(plots.pareto(runs.assign(loss_final=2.5), LABELS, tmp_path / "same"), "pareto.png")
     assert bars == ["final loss"]  # no second colour bar
+
+
+def test_runs_whose_option_lacks_a_labelled_key_stay_in_the_plots(runs):
+    """`optimizer.momentum` names sgd runs, `checkpoint.types` one layer-type run; the others have no
+    such key (null). pandas 3 keeps the null through astype(str) and a groupby drops null keys: those
+    runs vanished from the batch-scan lines and from the loss-curve groups."""
+    df = runs.assign(**{"optimizer.momentum": [None if o == "adamw" else "0.9" for o in runs["optimizer"]],
+                        "checkpoint.types": [None] * 4 + ["gelu", None]})  # sgd at 16 recomputes GELUs
+    ok = df[df["status"] == "ok"]
+    series = dict(plots._series(ok, ["optimizer", "optimizer.momentum"]))
+    assert sorted(series) == ["adamw", "sgd / 0.9"] and len(series["adamw"]) == 2
+    # an optimizer's own key belongs to the optimizer: runs differing in both still share a plot
+    group = plots.loss_group(df, ["optimizer", "optimizer.momentum", "checkpoint.types", "batch_size"])
+    assert sorted(group["run_id"]) == ["adamw-fp32-8", "sgd-fp32-8"]

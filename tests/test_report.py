@@ -344,3 +344,28 @@ def test_by_names_the_varied_columns_it_leaves_out(tmp_path, capsys):
     assert "note: optimizer also varies between these runs but not in --by's labels" in capsys.readouterr().err
     assert main([str(tmp_path), "--table", "setting"]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_a_label_names_an_option_key_only_where_the_option_does_not_imply_it(tmp_path):
+    """One run sets adamw's lr, so `optimizer.lr` labels rows. SGD at its own default lr reads
+    "+ SGD" (it read "+ SGD + optimizer.lr=0.1"), SGD at another lr names it, and against a baseline
+    with layer-type recompute the runs without it (no `types` key) drop it, with no "types=nan"."""
+    def write(name, opt, lr, checkpoint="none"):
+        config = {"batch_size": 8, "accumulation": {"steps": 1}, "optimizer": {"_target_": "o", "lr": lr},
+                  "checkpoint": {"_target_": "c", **({"types": ["gelu"]} if checkpoint == "layers" else {})}}
+        r = results.make(name, "ok", None, {**BASE, "optimizer": opt, "checkpoint": checkpoint}, config, [],
+                         metrics={"peak_allocated_mib": 100.0, "train_latency_s": 1.0})
+        results.write_json(tmp_path / name / "result.json", r)
+
+    write("a", "adamw", 6e-4)
+    write("b", "adamw", 1e-3)
+    write("c", "sgd", 0.1)
+    write("d", "sgd", 0.5)
+    assert list(_setting(tmp_path)["Setting"]) == [
+        "Baseline (batch size = 8)", "+ optimizer.lr=0.001", "+ SGD", "+ SGD + optimizer.lr=0.5"]
+    write("e", "adamw", 6e-4, checkpoint="layers")
+    assert main([str(tmp_path), "--table", "setting", "--baseline", "checkpoint=layers"]) == 0
+    df = load([tmp_path])
+    labels = compare.varied(df)
+    t = tables.setting(df, labels, compare.baseline_index(df, labels, {"checkpoint": "layers"}))
+    assert list(t["Setting"])[:2] == ["Baseline (batch size = 8): Layer-type recompute (gelu)", "− Layer-type recompute"]
