@@ -177,10 +177,16 @@ def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
     trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
     trace(compose_config([*SMALL, "optimizer=adafactor"]))  # with _ValueReads
     assert_same_state(before, global_state())
-    # n_embd 192 over 5 heads fails while the model is built: inside the fake mode, the fake
+    # A model failing as it is built, its parameters already made: inside the fake mode, the fake
     # process group and the patches.
-    with pytest.raises(AssertionError, match="divisible"):
-        trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2", "model.n_head=5"]))
+    class BrokenGPT(GPT):
+        def __init__(self, config):
+            super().__init__(config)
+            raise AssertionError("injected while the model is built")
+
+    with monkeypatch.context() as m, pytest.raises(AssertionError, match="injected"):
+        m.setattr("ablate.build.GPT", BrokenGPT)
+        trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
     assert_same_state(before, global_state())
 
     # A step failing while traced: MemTracker and its hooks are active too.
