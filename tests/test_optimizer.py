@@ -144,6 +144,11 @@ def test_weight_decay_only_on_matrices_and_embeddings(name, in_backward):
     (AdamW8bit(), {"stochastic_rounding": True}, "stochastic_rounding=true needs optimizer=adamw .*=adamw8bit"),
     (AdamW(implementation="fused"), {"stochastic_rounding": True}, "optimizer.implementation=fused must be default"),
     (Adafactor(), {"sharded": True, "world_size": 2}, "optimizer=adafactor needs whole parameters: parallel=fsdp"),
+    # torch's own value checks, in the job process (they were error rows from inside a worker)
+    (AdamW(lr=-1), {}, "optimizer=adamw: Invalid learning rate: -1"),
+    (AdamW(betas=(0.9, 1.5)), {}, "optimizer=adamw: Invalid beta parameter at index 1: 1.5"),
+    (SGD(momentum=-0.5), {}, "optimizer=sgd: Invalid momentum value: -0.5"),
+    (Adafactor(beta2_decay=0.5), {}, "optimizer=adafactor: beta2_decay should be <= 0"),
 ])
 def test_invalid_combinations_name_their_keys(opt, kw, match):
     with pytest.raises(Invalid, match=match):

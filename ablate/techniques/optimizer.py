@@ -78,7 +78,16 @@ class TorchOptimizer(Option, abc.ABC):
     def make(self, groups: list[dict]) -> torch.optim.Optimizer:
         return self.optimizer_class()(groups, **self.optimizer_kwargs())
 
+    def check_values(self) -> None:
+        """torch's own checks of the hyperparameters ("Invalid learning rate: -1"), run on one CPU
+        tensor: in the job process a bad value is an invalid row that starts no worker."""
+        try:
+            self.optimizer_class()([torch.zeros(1, requires_grad=True)], **self.optimizer_kwargs())
+        except ValueError as exc:
+            raise Invalid(f"optimizer={self.name}: {exc}") from None  # the message says it all
+
     def check(self, plan: Plan) -> None:
+        self.check_values()
         if plan.stochastic_rounding and not self.supports_stochastic_rounding:
             raise Invalid(f"precision.stochastic_rounding=true needs optimizer=adamw (torchao's AdamW), "
                           f"not optimizer={self.name}")
@@ -218,6 +227,9 @@ class AdamW8bit(TorchOptimizer):
         super().check(plan)
         if not _installed("bitsandbytes"):
             raise Invalid("optimizer=adamw8bit needs bitsandbytes: pip install 'ablate[bnb]'")
+
+    def check_values(self) -> None:
+        """Left to bitsandbytes in the worker: importing it would cost the job process seconds."""
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         from bitsandbytes.optim import AdamW8bit  # optional dependency, imported only when used
