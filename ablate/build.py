@@ -10,6 +10,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ablate.capacity import MemoryLimit
+from ablate.keytypes import check_types
 from ablate.model import GPT, GPTConfig
 from ablate.techniques import Invalid, Plan
 
@@ -49,6 +50,8 @@ def plan_of(cfg: dict, device: str, t: Techniques) -> Plan:
 def check_config(cfg: dict, device: str = "auto") -> Techniques:
     """Option values and their combination. With device="auto" (the job, which never touches
     CUDA) device-specific rules wait for the worker, which calls this again with its device."""
+    for group in (*TECHNIQUE_GROUPS, "data"):
+        check_types(group, cfg[group])
     t = Techniques.from_config(cfg)
     model = cfg["model"]
     if cfg["seq_len"] > model["block_size"]:

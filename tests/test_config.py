@@ -1,6 +1,7 @@
 """The real conf/ composes, every option of every group builds, and bad input fails clearly."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -100,6 +101,26 @@ def test_invalid_combination_names_the_keys():
         with pytest.raises(Invalid, match=message):
             check_config(compose_config([bad]))
     check_config(compose_config(["warmup_steps=0", "samples=1"]))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("accumulation.steps=abc", "accumulation.steps='abc' must be int"),  # was "'<' not supported between..."
+    ("accumulation.steps=true", "accumulation.steps=True must be int"),
+    ("optimizer.lr=abc", "optimizer.lr='abc' must be float"),
+    ("optimizer.betas=0.9", "optimizer.betas=0.9 must be tuple[float, float]"),
+    ("optimizer.betas=[0.9,x]", "optimizer.betas=[0.9, 'x'] must be tuple[float, float]"),
+    ("data.train_samples=abc", "data.train_samples='abc' must be int"),  # was an error row from the worker
+    ("parallel.nproc=[2]", "parallel.nproc=[2] must be int | str"),
+])
+def test_an_option_key_of_the_wrong_type_is_named_before_anything_is_built(override, message):
+    with pytest.raises(Invalid, match=re.escape(message)):
+        check_config(compose_config([override]))
+
+
+def test_option_keys_of_the_annotated_types_pass_the_type_check():
+    for overrides in (["optimizer.lr=1"], ["optimizer.betas=[0.9,0.99]"], ["parallel=ddp", "parallel.nproc=auto"],
+                      ["checkpoint=layers", "checkpoint.types=[gelu]"], ["optimizer=sgd", "optimizer.momentum=0.9"]):
+        check_config(compose_config(overrides))
 
 
 def test_hydra_writes_sweeps_under_outputs_not_multirun():

@@ -1,0 +1,51 @@
+"""Option keys against the types their class's `__init__` annotates, before anything is built.
+
+An option node's keys are exactly its class's constructor arguments (`conf/accumulation/x4.yaml`
+-> `Accumulation(steps: int)`), but the root schema types them `Any`: `accumulation.steps=abc`
+reached the class and failed there as "'<' not supported between 'str' and 'int'", a message
+naming no key. This check names it: "accumulation.steps='abc' must be int".
+"""
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from hydra.utils import get_class
+
+from ablate.techniques import Invalid
+
+
+def check_types(group: str, node: dict) -> None:
+    """Raise Invalid for the first key of `node` (an option's config, `_target_` included) whose
+    value does not have its annotated type. Unannotated keys pass; unknown keys are the
+    composition's business (it names the valid ones)."""
+    hints = typing.get_type_hints(get_class(node["_target_"]).__init__)
+    for key, value in node.items():
+        hint = hints.get(key)
+        if hint is not None and not fits(value, hint):
+            raise Invalid(f"{group}.{key}={value!r} must be {_name(hint)}")
+
+
+def fits(value, hint) -> bool:
+    """Whether a config value has type `hint`: an int is also a float; a bool is neither (YAML's
+    true is not a count); a list stands for a tuple or sequence, and its items are checked too."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, a) for a in args)
+    if origin is not None:  # tuple[float, float], Sequence[str], list[str]
+        items = [a for a in args if a is not Ellipsis]
+        return isinstance(value, (list, tuple)) and (not items or all(fits(v, items[0]) for v in value))
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool) and hint is not bool:
+        return False
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, hint)
+
+
+def _name(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "").replace("collections.abc.", "")
