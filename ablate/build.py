@@ -53,6 +53,7 @@ def check_config(cfg: dict, device: str = "auto") -> Techniques:
     for group in (*TECHNIQUE_GROUPS, "data"):
         check_types(group, cfg[group])
     t = Techniques.from_config(cfg)
+    instantiate(cfg["data"])  # its own checks (data.branching <= data.vocab_size); loading waits for the worker
     model = cfg["model"]
     if cfg["seq_len"] > model["block_size"]:
         raise Invalid(f"seq_len={cfg['seq_len']} > model.block_size={model['block_size']}")

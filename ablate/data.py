@@ -13,6 +13,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ablate.techniques import Invalid
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, targets: (B, T) int64 each
 
 
@@ -73,7 +75,7 @@ class _Stream(TokenData):
                  eval_samples: int, seed: int):
         for name, arr in (("train", train), ("val", val)):
             if len(arr) <= seq_len:
-                raise ValueError(f"{name} split has {len(arr)} tokens, needs more than seq_len={seq_len}")
+                raise Invalid(f"data.path: the {name} split has {len(arr)} tokens, needs more than seq_len={seq_len}")
         self.train, self.val, self.vocab_size, self.T, self.seed = train, val, vocab_size, seq_len, seed
         starts = np.random.default_rng((seed, 1, 0)).integers(0, len(val) - seq_len, eval_samples)
         self._eval = self._windows(val, starts)
@@ -101,7 +103,7 @@ class Synthetic:
     def __init__(self, vocab_size: int = 512, order: int = 1, branching: int = 8,
                  train_samples: int = 10240, eval_samples: int = 256, seed: int = 1234):
         if branching > vocab_size:
-            raise ValueError(f"data.branching={branching} > data.vocab_size={vocab_size}")
+            raise Invalid(f"data.branching={branching} > data.vocab_size={vocab_size}")
         self.vocab_size, self.order, self.branching = vocab_size, order, branching
         self.train_samples, self.eval_samples, self.seed = train_samples, eval_samples, seed
 

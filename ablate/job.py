@@ -25,6 +25,7 @@ from ablate.capacity import capacity_mib, largest_fitting, micro_batches
 from ablate.console import Progress
 from ablate.predict import Prediction, predict
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
+from ablate.techniques import Invalid
 from launch.local import Outcome, pass_on_stop, run_worker
 from launch.nvml import gpu_total_mib, visible_gpu_count
 
@@ -94,8 +95,9 @@ def validate(config: dict) -> Outcome | None:
     try:
         check_config(config)
     except Exception as exc:  # Invalid, or an option rejecting its keys (instantiate's TypeError)
-        cause = exc.__cause__ or exc
-        return Outcome("invalid", f"{type(cause).__name__}: {cause}" if cause is not exc else str(exc))
+        cause = exc.__cause__ or exc  # instantiate wraps what the option's constructor raised
+        named = isinstance(cause, Invalid) or cause is exc  # an Invalid's message names its key itself
+        return Outcome("invalid", str(cause) if named else f"{type(cause).__name__}: {cause}")
     return None
 
 

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from ablate.data import Chars, Synthetic, Tokens
+from ablate.job import validate
+from ablate.techniques import Invalid
+from tests.helpers import compose_config
 
 
 def test_synthetic_is_seeded_and_shifted():
@@ -70,3 +73,14 @@ def test_chars_builds_a_vocabulary_and_splits(tmp_path):
     assert data.vocab_size == 11
     x, y = data.train_batch(0, 2)
     assert x.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_data_too_short_or_a_chain_wider_than_its_vocabulary_is_invalid_naming_the_key(tmp_path):
+    """Invalid rows (the combination cannot run), not error rows: a chain's branching is checked
+    in the job, before any worker starts; a text too short for seq_len once the worker reads it."""
+    f = tmp_path / "input.txt"
+    f.write_text("abc" * 10)
+    with pytest.raises(Invalid, match="data.path: the train split has 27 tokens, needs more than seq_len=64"):
+        Chars(str(f)).load(64)
+    outcome = validate(compose_config(["data.vocab_size=8", "model.vocab_size=8", "data.branching=9"]))
+    assert (outcome.status, outcome.reason) == ("invalid", "data.branching=9 > data.vocab_size=8")
