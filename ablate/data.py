@@ -75,7 +75,9 @@ class _Stream(TokenData):
                  eval_samples: int, seed: int):
         for name, arr in (("train", train), ("val", val)):
             if len(arr) <= seq_len:
-                raise Invalid(f"data.path: the {name} split has {len(arr)} tokens, needs more than seq_len={seq_len}")
+                # an error row, not invalid: a longer file at the same path fixes it, and a rerun retries errors
+                raise ValueError(f"data.path: the {name} split has {len(arr)} tokens, "
+                                 f"needs more than seq_len={seq_len}")
         self.train, self.val, self.vocab_size, self.T, self.seed = train, val, vocab_size, seq_len, seed
         starts = np.random.default_rng((seed, 1, 0)).integers(0, len(val) - seq_len, eval_samples)
         self._eval = self._windows(val, starts)

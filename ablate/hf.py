@@ -41,6 +41,12 @@ def load_weights(model: GPT, path: str | Path) -> None:
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model.init_from={path}: no config.json (expected a save_pretrained dir)")
+    # Every tensor is copied whole, so each shape key must match; named here by its config key,
+    # not as the first tensor whose shape differs.
+    wrong = [f"model.{k}={getattr(model.config, k)} but the checkpoint has {v}"
+             for k, v in read_config(path).items() if getattr(model.config, k) != v]
+    if wrong:
+        raise ValueError(f"model.init_from={path}: " + "; ".join(wrong))
     ours = model.state_dict()
     with torch.no_grad():
         for key, value in _state_dict(path).items():

@@ -96,7 +96,8 @@ def test_invalid_combination_names_the_keys():
         check_config(compose_config(["seq_len=2048"]))
     # A run that measures no step is no result (steps=0 was an ok row with no timing at all).
     for bad, message in (("steps=0", "steps=0 must be >= 1"), ("samples=0", "samples=0 must be >= 1"),
-                         ("warmup_steps=-1", "warmup_steps=-1 must be >= 0"), ("timeout_s=0", "timeout_s=0.0 must be > 0"),
+                         ("warmup_steps=-1", "warmup_steps=-1 must be >= 0"),
+                         ("timeout_s=0", "timeout_s=0.0 must be > 0"),
                          ("model.n_head=5", "model.n_embd=192 is not divisible by model.n_head=5")):
         with pytest.raises(Invalid, match=message):
             check_config(compose_config([bad]))

@@ -9,7 +9,6 @@ import torch
 
 from ablate.data import Chars, Synthetic, Tokens
 from ablate.job import validate
-from ablate.techniques import Invalid
 from tests.helpers import compose_config
 
 
@@ -75,12 +74,13 @@ def test_chars_builds_a_vocabulary_and_splits(tmp_path):
     assert x.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_data_too_short_or_a_chain_wider_than_its_vocabulary_is_invalid_naming_the_key(tmp_path):
-    """Invalid rows (the combination cannot run), not error rows: a chain's branching is checked
-    in the job, before any worker starts; a text too short for seq_len once the worker reads it."""
+def test_data_too_short_or_a_chain_wider_than_its_vocabulary_names_the_key(tmp_path):
+    """A chain's branching is an invalid row from the job, before any worker starts; a text too short
+    for seq_len an error row naming data.path once the worker reads it (a longer file fixes it, and
+    a rerun retries errors, never invalid rows)."""
     f = tmp_path / "input.txt"
     f.write_text("abc" * 10)
-    with pytest.raises(Invalid, match="data.path: the train split has 27 tokens, needs more than seq_len=64"):
+    with pytest.raises(ValueError, match="data.path: the train split has 27 tokens, needs more than seq_len=64"):
         Chars(str(f)).load(64)
     outcome = validate(compose_config(["data.vocab_size=8", "model.vocab_size=8", "data.branching=9"]))
     assert (outcome.status, outcome.reason) == ("invalid", "data.branching=9 > data.vocab_size=8")

@@ -85,5 +85,7 @@ def test_init_from_rejects_a_mismatched_checkpoint(tmp_path):
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50, n_positions=16,
                                bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="shape"):
+    # named by the config key, not by the first tensor of another shape
+    with pytest.raises(ValueError, match=f"model.init_from={tmp_path}: model.n_embd=64 but the checkpoint has 32$"):
         load_weights(GPT(GPTConfig(1, 2, 64, vocab_size=50, block_size=16)), tmp_path)
+

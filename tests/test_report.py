@@ -368,4 +368,5 @@ def test_a_label_names_an_option_key_only_where_the_option_does_not_imply_it(tmp
     df = load([tmp_path])
     labels = compare.varied(df)
     t = tables.setting(df, labels, compare.baseline_index(df, labels, {"checkpoint": "layers"}))
-    assert list(t["Setting"])[:2] == ["Baseline (batch size = 8): Layer-type recompute (gelu)", "− Layer-type recompute"]
+    assert list(t["Setting"])[:2] == ["Baseline (batch size = 8): Layer-type recompute (gelu)",
+                                      "− Layer-type recompute"]
