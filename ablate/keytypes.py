@@ -20,7 +20,10 @@ def check_types(group: str, node: dict) -> None:
     """Raise Invalid for the first key of `node` (an option's config, `_target_` included) whose
     value does not have its annotated type. Unannotated keys pass; unknown keys are the
     composition's business (it names the valid ones)."""
-    hints = typing.get_type_hints(get_class(node["_target_"]).__init__)
+    try:
+        hints = typing.get_type_hints(get_class(node["_target_"]).__init__)
+    except NameError:  # an annotation naming a type imported only for type checkers: nothing to check against
+        return
     for key, value in node.items():
         hint = hints.get(key)
         if hint is not None and not fits(value, hint):

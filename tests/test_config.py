@@ -10,6 +10,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
 from ablate.build import TECHNIQUE_GROUPS, Techniques, check_config
+from ablate.keytypes import check_types
 from ablate.schema import GROUPS, unknown_key
 from ablate.techniques import Invalid
 from helpers import CONF, ROOT, compose_config
@@ -153,3 +154,14 @@ def test_long_sweep_directory_names_are_shortened_but_stay_distinct():
     long_a, long_b = "x" * 300 + ",seed=1", "x" * 300 + ",seed=2"
     assert len(short_dirname(long_a).encode()) <= 200
     assert short_dirname(long_a) != short_dirname(long_b) and short_dirname(long_a).startswith("x" * 150)
+
+
+class _Forward:
+    def __init__(self, steps: "TypeOnlyForCheckers" = 1):  # noqa: F821  (as under `if TYPE_CHECKING:`)
+        self.steps = steps
+
+
+def test_an_annotation_that_cannot_be_resolved_skips_the_type_check():
+    check_types("group", {"_target_": f"{__name__}._Forward", "steps": "abc"})  # no NameError, no Invalid
+    with pytest.raises(Invalid, match="group.steps='abc' must be int"):
+        check_types("group", {"_target_": "ablate.techniques.accumulation.Accumulation", "steps": "abc"})
