@@ -176,15 +176,18 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | No
     return _save(fig, out, "breakdown.png")
 
 
+def _text(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
+    """`cols` as text to group by, "" for an option key the run's option lacks: pandas 3's
+    astype(str) keeps nulls, and a groupby drops null keys, which dropped those runs from plots."""
+    return df[cols].fillna("").astype(str)
+
+
 def _series(df: pd.DataFrame, others: list[str]):
     """(legend text, rows) per combination of the other label columns."""
     if not others:
         yield "all runs", df
         return
-    # "" for an option key the run's option lacks: pandas 3's astype(str) keeps nulls, and a
-    # groupby drops null keys, which dropped those runs from the plot.
-    keys = df[others].fillna("").astype(str)
-    for key, part in keys.groupby(others, sort=True):  # keys are tuples when grouping by a list
+    for key, part in _text(df, others).groupby(others, sort=True):  # keys are tuples when grouping by a list
         yield " / ".join(k for k in key if k), df.loc[part.index]
 
 
@@ -253,7 +256,7 @@ def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     if not keys:
         return runs if len(runs) >= 2 else runs.iloc[0:0]
     # ties go to the group met first in the data (the sweep's order)
-    groups = [part.index for _, part in runs[keys].fillna("").astype(str).groupby(keys, sort=False)]  # as _series
+    groups = [part.index for _, part in _text(runs, keys).groupby(keys, sort=False)]
     best = max(groups, key=len, default=[])
     return runs.loc[best] if len(best) >= 2 else runs.iloc[0:0]
 

@@ -81,12 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print(f"no result.json found under {' '.join(args.paths)}", file=sys.stderr)
         return 1
-    labels = args.by or compare.varied(df)
+    varied = compare.varied(df)  # a pass over the rows per option key: once
+    labels = args.by or varied
     missing = [c for c in labels if c not in df]
     if missing:
-        print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(compare.varied(df))})", file=sys.stderr)
+        print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(varied)})", file=sys.stderr)
         return 2
-    hidden = [c for c in compare.varied(df) if c not in labels]
+    hidden = [c for c in varied if c not in labels]
     if hidden:  # else two runs a hidden column tells apart read as "Baseline (repeat)" with no hint why
         verb = "varies" if len(hidden) == 1 else "vary"
         print(f"note: {', '.join(hidden)} also {verb} between these runs but not in --by's labels; runs that "

@@ -110,9 +110,11 @@ def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
 def _implied(row: pd.Series, base: pd.Series, col: str) -> bool:
     """An option key ("optimizer.lr") that the row's option already says: one the option lacks
     (null), or its own default on an option other than the base's (SGD's lr 0.1 is part of "+ SGD")."""
+    if pd.isna(row[col]):
+        return True
+    if col == "checkpoint.types":  # the types qualify the name, default or not
+        return False
     group = col.split(".")[0]
-    if pd.isna(row[col]) or col == "checkpoint.types":  # the types qualify the name, default or not
-        return pd.isna(row[col])
     other_option = str(row[group]) != str(base[group]) or pd.isna(base[col])  # null: against BASELINE
     return other_option and not set_away_from_default(row, col)
 
