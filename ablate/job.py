@@ -4,7 +4,6 @@ resolve config -> run_id -> skip if done -> validate -> launch the worker -> cla
 """
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -19,9 +18,9 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ablate import results
+from ablate import find_batch, results
 from ablate.build import check_config
-from ablate.capacity import capacity_mib, largest_fitting, micro_batches
+from ablate.capacity import capacity_mib
 from ablate.console import Progress
 from ablate.predict import Prediction, predict
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
@@ -30,7 +29,6 @@ from launch.local import Outcome, pass_on_stop, run_worker
 from launch.nvml import gpu_total_mib, visible_gpu_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-FIND_BATCH_MARGIN = 0.05  # a probe must stay 5% under the capacity to count as fitting
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,99 +137,23 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
         return invalid, None
     capacity = capacity_mib(config, gpu_total_mib())
     if config["predict_only"] and config["find_batch"]:
-        return predicted_batch(config, capacity)
+        return find_batch.planned(config, capacity, predicted)
     if config["predict_only"]:
         return Outcome("predicted", None), predicted(config)
     searched = config["find_batch"]
-    prediction = predicted(with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
+    prediction = predicted(find_batch.with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
     if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):
         at = " at micro-batch 1" if searched else ""
         return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
                               f"(+{config['prune_margin']:.0%} margin); not run"), prediction
     if not searched:
         return run_once(config, run_dir, overrides, progress), prediction
-    outcome = find_batch(config, run_dir, overrides, progress, capacity)
+    outcome = find_batch.measured(config, capacity, run_dir,
+                                  lambda cfg, where: run_once(cfg, where, overrides, progress))
     best = outcome.metrics.get("max_batch_size")
     if best and best > 1:
-        prediction = predicted(with_micro_batch(config, best))
+        prediction = predicted(find_batch.with_micro_batch(config, best))
     return outcome, prediction
-
-
-def under_margin(peak_mib: float | None, capacity: float | None) -> bool:
-    """find_batch's rule, for probes and predictions alike: a micro-batch fits when its peak stays
-    FIND_BATCH_MARGIN under the capacity (a longer run fragments the cache further). An unknown
-    capacity or peak does not count against it."""
-    return not (capacity and peak_mib and peak_mib > capacity * (1 - FIND_BATCH_MARGIN))
-
-
-def predicted_batch(config: dict, capacity: float | None) -> tuple[Outcome, Prediction | None]:
-    """find_batch under predict_only: the same search, each micro-batch judged by its prediction
-    (under_margin), and nothing run. Plans a card with gpu_memory_gib."""
-    if not capacity:
-        reason = "find_batch needs a capacity to search against: set gpu_memory_gib (no GPU memory applies here)"
-        return Outcome("predicted", reason), predicted(config)
-    seen: dict[int, Prediction | None] = {}
-
-    def fits(micro: int) -> bool:
-        seen[micro] = predicted(with_micro_batch(config, micro))
-        return seen[micro] is not None and under_margin(seen[micro].peak_mib, capacity)
-
-    best = largest_fitting(micro_batches(config["batch_size"]), fits)
-    if best is None:
-        return Outcome("predicted", f"no micro-batch of batch_size={config['batch_size']} is predicted to fit "
-                                    f"{capacity:,.0f} MiB usable"), seen[1]
-    return Outcome("predicted", None, {"max_batch_size": best}), seen[best]
-
-
-def with_micro_batch(config: dict, micro: int, steps: int | None = None) -> dict:
-    """`config` training its batch_size in micro-batches of `micro` (accumulation raised to match)."""
-    cfg = copy.deepcopy(config)
-    cfg["accumulation"]["steps"] = cfg["batch_size"] // micro
-    cfg["find_batch"] = False
-    if steps:
-        cfg["steps"], cfg["samples"] = steps, None
-    return cfg
-
-
-class _Stopped(Exception):
-    """A find_batch probe ended by a stop signal; carries its outcome, which becomes the point's."""
-
-    def __init__(self, outcome: Outcome):
-        super().__init__(outcome.reason)
-        self.outcome = outcome
-
-
-def find_batch(config: dict, run_dir: Path, overrides: list[str], progress: Progress,
-               capacity: float | None) -> Outcome:
-    """Binary-search the largest micro-batch that fits with short probe runs (any rank failing
-    fails the probe), then measure the point at that micro-batch. A probe's peak (reserved, else
-    allocated) must stay under_margin."""
-    probes: list[dict] = []
-
-    def fits(micro: int) -> bool:
-        out = run_once(with_micro_batch(config, micro, steps=1), run_dir / "find_batch" / f"micro_{micro}",
-                       overrides, progress)
-        peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
-        ok = out.status == "ok" and under_margin(peak, capacity)
-        probes.append({"micro_batch": micro, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
-        if out.stopped_by:  # the job was told to stop: no further probe starts
-            raise _Stopped(out)
-        return ok
-
-    try:
-        best = largest_fitting(micro_batches(config["batch_size"]), fits)
-    except _Stopped as stop:
-        stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes}
-        return stop.outcome
-    found = {"find_batch": probes, "max_batch_size": best}
-    if best is None:
-        first = probes[0]  # the smallest micro-batch is always among the probes when none fits
-        status = first["status"] if first["status"] in ("invalid", "error", "timeout") else "oom"
-        return Outcome(status, f"no micro-batch of batch_size={config['batch_size']} fits: micro-batch "
-                               f"{first['micro_batch']}: {first['reason'] or 'over the capacity margin'}", found)
-    out = run_once(with_micro_batch(config, best), run_dir, overrides, progress)
-    out.metrics = {**out.metrics, **found}
-    return out
 
 
 @dataclass

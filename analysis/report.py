@@ -64,6 +64,33 @@ def render(title: str, parts: list[tuple[str, pd.DataFrame]], labels: list[str],
     return "\n".join(text) + "\n"
 
 
+def run_labels(df: pd.DataFrame, by: list[str] | None) -> list[str]:
+    """The columns that name a run: --by's, else every varied one. Names on stderr any varied
+    column --by leaves out; ValueError for a column that does not exist."""
+    varied = compare.varied(df)  # a pass over the rows per option key: once
+    labels = by or varied
+    unknown = [c for c in labels if c not in df]
+    if unknown:
+        raise ValueError(f"--by {' '.join(unknown)}: no such column (valid: {', '.join(varied)})")
+    hidden = [c for c in varied if c not in labels]
+    if hidden:  # else two runs a hidden column tells apart read as "Baseline (repeat)" with no hint why
+        verb = "varies" if len(hidden) == 1 else "vary"
+        print(f"note: {', '.join(hidden)} also {verb} between these runs but not in --by's labels; runs that "
+              f"differ only there read alike", file=sys.stderr)
+    return labels
+
+
+def in_reading_order(df: pd.DataFrame, labels: list[str], ladder: bool) -> pd.DataFrame:
+    """Rows sorted by their labels; an experiment's rungs (hydra/sweeper=ladder) in the order it
+    lists them; a --ladder without rungs in the order its runs finished. Index 0..n-1."""
+    df = df.sort_values(labels, kind="stable")
+    if df["rung"].notna().any():
+        df = df.sort_values("rung", kind="stable")
+    elif ladder:
+        df = df.sort_values("finished_at", kind="stable")
+    return df.reset_index(drop=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", default=["outputs"],
@@ -77,35 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where report.md, runs.csv and the plots go (default: <PATH>/report)")
     args = parser.parse_args(argv)
 
+    missing = [p for p in args.paths if not Path(p).exists()]
+    if missing:
+        print(f"no such file or directory: {' '.join(missing)}", file=sys.stderr)
+        return 1
     df = load(args.paths)
     if df.empty:
         print(f"no result.json found under {' '.join(args.paths)}", file=sys.stderr)
         return 1
-    varied = compare.varied(df)  # a pass over the rows per option key: once
-    labels = args.by or varied
-    missing = [c for c in labels if c not in df]
-    if missing:
-        print(f"--by {' '.join(missing)}: no such column (valid: {', '.join(varied)})", file=sys.stderr)
+    try:
+        labels = run_labels(df, args.by)
+        df = in_reading_order(df, labels, args.ladder)
+        bases = (pd.Series(df.index[0], index=df.index) if args.ladder  # a ladder's first rung
+                 else compare.baselines(df, labels, _parse_baseline(args.baseline)))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    hidden = [c for c in varied if c not in labels]
-    if hidden:  # else two runs a hidden column tells apart read as "Baseline (repeat)" with no hint why
-        verb = "varies" if len(hidden) == 1 else "vary"
-        print(f"note: {', '.join(hidden)} also {verb} between these runs but not in --by's labels; runs that "
-              f"differ only there read alike", file=sys.stderr)
-    df = df.sort_values(labels, kind="stable")
-    if df["rung"].notna().any():  # an experiment's rungs (hydra/sweeper=ladder) in the order it lists them
-        df = df.sort_values("rung", kind="stable")
-    df = df.reset_index(drop=True)
-    if args.ladder:  # a ladder's rows in rung order (above), else in the order they ran
-        if df["rung"].isna().all():
-            df = df.sort_values("finished_at", kind="stable").reset_index(drop=True)
-        bases = pd.Series(df.index[0], index=df.index)  # its first rung
-    else:
-        try:
-            bases = compare.baselines(df, labels, _parse_baseline(args.baseline))
-        except ValueError as exc:
-            print(exc, file=sys.stderr)
-            return 2
     out = Path(args.out) if args.out else Path(args.paths[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
     from analysis.plots import all_plots  # matplotlib only when plotting

@@ -8,7 +8,7 @@ import pytest
 
 from ablate import results
 from ablate.capacity import CUDA_CONTEXT_MIB, MemoryLimit, largest_fitting, micro_batches
-from ablate.job import FIND_BATCH_MARGIN, with_micro_batch
+from ablate.find_batch import MARGIN, with_micro_batch
 from ablate.predict.analytic import analytic
 from tests.helpers import FAST, ROOT, compose_config, results_under, run_cli
 
@@ -88,7 +88,7 @@ def test_prune_records_predicted_oom_and_a_later_run_measures_it(tmp_path):
 
 def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     p8, p16 = predicted_peak("batch_size=8"), predicted_peak("batch_size=16")
-    usable = (p8 + p16) / 2 / (1 - FIND_BATCH_MARGIN)  # micro-batch 8 fits with its margin, 16 does not
+    usable = (p8 + p16) / 2 / (1 - MARGIN)  # micro-batch 8 fits with its margin, 16 does not
     # batch 32 in one micro-batch is predicted far over the card: prune must not stop the search
     assert predicted_peak("batch_size=32") > usable * 1.1
     proc = run_cli(["batch_size=32", "find_batch=true", "prune=true", f"gpu_memory_gib={gib_for(usable)}"], tmp_path)
@@ -113,7 +113,7 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
 def test_find_batch_with_predict_only_plans_a_card_without_running(tmp_path):
     cuda = [*FAST, "device=cuda", "batch_size=32"]
     at = {m: analytic(with_micro_batch(compose_config(cuda), m)).peak_mib for m in (8, 16)}
-    usable = (at[8] + at[16]) / 2 / (1 - FIND_BATCH_MARGIN)  # micro-batch 8 is predicted to fit, 16 not
+    usable = (at[8] + at[16]) / 2 / (1 - MARGIN)  # micro-batch 8 is predicted to fit, 16 not
     card = f"gpu_memory_gib={gib_for(usable)}"
     proc = run_cli(["-m", "device=cuda", "batch_size=32", "find_batch=true", "predict_only=true",
                     f"{card},null", f"hydra.sweep.dir={tmp_path}/s"], tmp_path)

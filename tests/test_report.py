@@ -262,6 +262,15 @@ def test_empty_directory_exits_1_with_a_message(tmp_path):
     assert proc.returncode == 1 and "no result.json found" in proc.stderr
 
 
+def test_a_misspelt_path_is_named_as_missing_not_as_empty(tmp_path, capsys):
+    """`outptus/` is a typo, not a directory without results: the message says which."""
+    report = tmp_path / "r"
+    code = main([str(tmp_path), str(tmp_path / "outptus"), "--out", str(report)])
+    err = capsys.readouterr().err
+    assert code == 1 and err.strip() == f"no such file or directory: {tmp_path / 'outptus'}"
+    assert not report.exists()
+
+
 def test_option_keys_that_vary_within_an_option_become_labelled_columns(tmp_path):
     """checkpoint=layers with different `types`, and an optimizer key, are told apart; keys that
     only differ because the option differs (sgd's lr vs adamw's) are not columns."""
