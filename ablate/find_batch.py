@@ -87,10 +87,12 @@ def measured(config: dict, capacity: float | None, run_dir: Path,
         return stop.outcome
     found = {"find_batch": probes, "max_batch_size": best}
     if best is None:
-        first = probes[0]  # the smallest micro-batch is always among the probes when none fits
-        status = first["status"] if first["status"] in ("invalid", "error", "timeout") else "oom"
+        # The search starts in the middle: the smallest micro-batch is the last probe, not the
+        # first, and its failure is the point's (a larger one may have failed otherwise).
+        smallest = min(probes, key=lambda p: p["micro_batch"])
+        status = smallest["status"] if smallest["status"] in ("invalid", "error", "timeout") else "oom"
         return Outcome(status, f"no micro-batch of batch_size={config['batch_size']} fits: micro-batch "
-                               f"{first['micro_batch']}: {first['reason'] or 'over the capacity margin'}", found)
+                               f"{smallest['micro_batch']}: {smallest['reason'] or 'over the capacity margin'}", found)
     out = run(with_micro_batch(config, best), run_dir)
     out.metrics = {**out.metrics, **found}
     return out

@@ -1,0 +1,108 @@
+"""The find_batch search on its own: fake probe runs and predictions stand in for workers, so the
+rules (the margin, reserved over allocated, what a point that fits nowhere becomes, a stop signal)
+are checked without starting a process. tests/test_capacity.py runs the search for real."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from ablate import find_batch
+from ablate.predict import Prediction
+from launch.local import Outcome
+
+CAPACITY = 1000.0  # MiB; fits under the margin: peak <= 950
+
+
+def config(batch_size: int = 32) -> dict:
+    return {"batch_size": batch_size, "accumulation": {"steps": 1}, "find_batch": True, "steps": 50, "samples": None}
+
+
+class FakeRuns:
+    """run(config, where) for find_batch.measured: a peak of `mib_per_sample` per sample of the
+    micro-batch, `status` for every probe; remembers what ran where."""
+
+    def __init__(self, mib_per_sample: float, status: str = "ok", reason: str | None = None,
+                 peak_key: str = "peak_reserved_mib"):
+        self.mib_per_sample, self.status, self.reason, self.peak_key = mib_per_sample, status, reason, peak_key
+        self.calls: list[tuple[int, int, str]] = []  # (micro-batch, steps, directory name)
+
+    def __call__(self, cfg: dict, where) -> Outcome:
+        micro = cfg["batch_size"] // cfg["accumulation"]["steps"]
+        assert cfg["find_batch"] is False  # a probe never searches again
+        self.calls.append((micro, cfg["steps"], where.name))
+        metrics = {self.peak_key: micro * self.mib_per_sample} if self.status == "ok" else {}
+        return Outcome(self.status, self.reason, metrics)
+
+
+def test_the_search_probes_a_few_micro_batches_then_runs_the_largest_that_fits(tmp_path):
+    runs = FakeRuns(mib_per_sample=100.0)  # 8 x 100 = 800 fits, 16 x 100 = 1600 does not
+    out = find_batch.measured(config(32), CAPACITY, tmp_path, runs)
+    assert out.status == "ok" and out.metrics["max_batch_size"] == 8
+    *probes, final = runs.calls
+    assert all(steps == 1 and where == f"micro_{micro}" for micro, steps, where in probes)
+    assert len(probes) <= 3  # a binary search of the 6 divisors of 32, not a scan
+    assert final == (8, 50, tmp_path.name)  # the point itself: its own steps, in its own directory
+    assert {p["micro_batch"]: p["fits"] for p in out.metrics["find_batch"]} == {m: m <= 8 for m, _, _ in probes}
+
+
+def test_a_peak_inside_the_margin_does_not_fit(tmp_path):
+    # micro-batch 1 peaks at 960 MiB: under the capacity, but not 5% under it
+    out = find_batch.measured(config(4), CAPACITY, tmp_path, FakeRuns(mib_per_sample=960.0))
+    assert out.status == "oom" and out.metrics["max_batch_size"] is None
+    assert out.reason == "no micro-batch of batch_size=4 fits: micro-batch 1: over the capacity margin"
+
+
+def test_allocated_counts_where_a_device_reports_no_reserved_peak(tmp_path):
+    runs = FakeRuns(mib_per_sample=300.0, peak_key="peak_allocated_mib")  # 2 x 300 fits, 4 x 300 does not
+    assert find_batch.measured(config(8), CAPACITY, tmp_path, runs).metrics["max_batch_size"] == 2
+
+
+@pytest.mark.parametrize("status, expected", [("oom", "oom"), ("error", "error"), ("invalid", "invalid"),
+                                              ("timeout", "timeout")])
+def test_a_point_that_fits_nowhere_keeps_its_smallest_probes_status_and_reason(tmp_path, status, expected):
+    runs = FakeRuns(mib_per_sample=1.0, status=status, reason="what the worker said")
+    out = find_batch.measured(config(8), CAPACITY, tmp_path, runs)
+    assert out.status == expected
+    assert out.reason == "no micro-batch of batch_size=8 fits: micro-batch 1: what the worker said"
+    assert [micro for micro, _, _ in runs.calls][-1] == 1  # and the point is not run after the search
+
+
+def test_the_smallest_micro_batchs_failure_is_the_points(tmp_path):
+    """The search starts in the middle: micro-batch 4 runs out of memory before micro-batch 1
+    crashes, and the crash is what stops the point."""
+    def run(cfg, where):
+        micro = cfg["batch_size"] // cfg["accumulation"]["steps"]
+        return Outcome("error", "RuntimeError: crash") if micro == 1 else Outcome("oom", "CUDA out of memory")
+
+    out = find_batch.measured(config(8), CAPACITY, tmp_path, run)
+    assert [p["micro_batch"] for p in out.metrics["find_batch"]][0] > 1
+    assert out.status == "error" and out.reason.endswith("micro-batch 1: RuntimeError: crash")
+
+
+def test_a_stop_signal_ends_the_search_at_that_probe(tmp_path):
+    def stopped(cfg, where):
+        return Outcome("timeout", "SIGUSR2", {}, stopped_by=signal.SIGUSR2)
+
+    out = find_batch.measured(config(32), CAPACITY, tmp_path, stopped)
+    assert out.status == "timeout" and out.stopped_by == signal.SIGUSR2
+    assert len(out.metrics["find_batch"]) == 1  # no probe after it
+
+
+def prediction(peak_mib: float) -> Prediction:
+    return Prediction(peak_mib=peak_mib, breakdown_mib={}, category_max_mib={}, method="analytic")
+
+
+def test_planned_judges_each_micro_batch_by_its_prediction():
+    predict = lambda cfg: prediction(100.0 * cfg["batch_size"] // cfg["accumulation"]["steps"])  # noqa: E731
+    out, best = find_batch.planned(config(32), CAPACITY, predict)
+    assert out.status == "predicted" and out.metrics == {"max_batch_size": 8} and best.peak_mib == 800.0
+
+
+def test_planned_without_a_capacity_or_a_fit_says_why():
+    predict = lambda cfg: prediction(5000.0)  # noqa: E731
+    out, best = find_batch.planned(config(8), None, predict)
+    assert out.status == "predicted" and "set gpu_memory_gib" in out.reason and best.peak_mib == 5000.0
+    out, best = find_batch.planned(config(8), CAPACITY, predict)
+    assert out.reason == "no micro-batch of batch_size=8 is predicted to fit 1,000 MiB usable"
+    assert best.peak_mib == 5000.0  # the smallest micro-batch's prediction
