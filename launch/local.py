@@ -88,11 +88,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _last_log_line(log: Path) -> str:
+    """": <the log's last line>", the likeliest cause of a silent exit; "" for an empty log."""
     try:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    return lines[-1].strip()[:300] if lines else ""
+    return f": {lines[-1].strip()[:300]}" if lines else ""
 
 
 def _signal_name(code: int) -> str:
@@ -131,10 +132,10 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
         return Outcome(failures[0]["status"], named(failures[0]))
     if died:
         return Outcome("error", f"rank {died[0]['rank']} ended with {_signal_name(died[0]['exitcode'])} "
-                                f"without a result: {_last_log_line(log)}")
+                                f"without a result{_last_log_line(log)}")
     if returncode < 0:
         return Outcome("error", f"worker {_killed_by(returncode)} without a result")
-    return Outcome("error", f"worker exited with code {returncode} without a result: {_last_log_line(log)}")
+    return Outcome("error", f"worker exited with code {returncode} without a result{_last_log_line(log)}")
 
 
 def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,

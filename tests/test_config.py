@@ -99,9 +99,10 @@ def test_invalid_combination_names_the_keys():
     for bad, message in (("steps=0", "steps=0 must be >= 1"), ("samples=0", "samples=0 must be >= 1"),
                          ("warmup_steps=-1", "warmup_steps=-1 must be >= 0"),
                          ("timeout_s=0", "timeout_s=0.0 must be > 0"),
-                         ("model.n_head=5", "model.n_embd=192 is not divisible by model.n_head=5")):
+                         ("model.n_head=5", "model.n_embd=192 is not divisible by model.n_head=5"),
+                         ("compile=true warmup_steps=1", "compile=true needs warmup_steps >= 2")):
         with pytest.raises(Invalid, match=message):
-            check_config(compose_config([bad]))
+            check_config(compose_config(bad.split()))
     check_config(compose_config(["warmup_steps=0", "samples=1"]))
 
 

@@ -193,6 +193,9 @@ def test_runs_of_several_models_get_a_setting_table_and_a_baseline_each(tmp_path
     assert list(df.loc[bases, "optimizer"]) == ["sgd"] * 4
     with pytest.raises(ValueError, match="no run matches"):
         compare.baselines(df, ["model", "optimizer"], {"optimizer": "lion"})
+    # A model without a matching run keeps its own baseline rather than losing its deltas.
+    bases = compare.baselines(df, ["model", "optimizer"], {"model": "gpt2", "optimizer": "sgd"})
+    assert list(df.loc[bases, "run_id"]) == ["gpt2-sgd"] * 2 + ["gpt2-xl-adamw"] * 2
 
 
 def test_a_predict_only_plan_shows_predicted_deltas_and_never_mixes_them_with_measured(tmp_path):

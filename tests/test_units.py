@@ -47,6 +47,13 @@ def test_rank_failures_name_the_root_cause(tmp_path):
     crashed = classify(1, False, 10, [gloo, {"event": "launcher", "failures": [{"rank": 0, "exitcode": 1}]}], log,
                        world_size=2)
     assert crashed.reason == "rank 0: RuntimeError: Connection closed by peer"
+    # A rank that exits with a code of its own, reporting nothing: its exit and the log's last line.
+    exited = {"event": "launcher", "failures": [{"rank": 1, "exitcode": 3}]}
+    assert classify(1, False, 10, [exited], log, world_size=2).reason == "rank 1 ended with exit code 3 without a result"
+    log.write_text("SystemExit: bad rank\n\n")
+    assert classify(1, False, 10, [exited], log, world_size=2).reason == \
+        "rank 1 ended with exit code 3 without a result: SystemExit: bad rank"
+    assert classify(3, False, 10, [], tmp_path / "no.log").reason == "worker exited with code 3 without a result"
 
 
 def test_exception_classification():
