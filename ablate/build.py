@@ -47,9 +47,11 @@ def plan_of(cfg: dict, device: str, t: Techniques) -> Plan:
                 in_backward=t.optimizer.in_backward)
 
 
-def check_config(cfg: dict, device: str = "auto") -> Techniques:
-    """Option values and their combination. With device="auto" (the job, which never touches
-    CUDA) device-specific rules wait for the worker, which calls this again with its device."""
+def check_config(cfg: dict, device: str | None = None) -> Techniques:
+    """Option values and their combination. `device` is the worker's (cpu, cuda). Without one (the
+    job, which never touches CUDA) a config that says device=cpu gets the CPU's rules at once, and
+    the other device-specific rules wait for the worker, which calls this again with its device."""
+    device = device or ("cpu" if cfg["device"] == "cpu" else "auto")
     for group in (*TECHNIQUE_GROUPS, "data"):
         check_types(group, cfg[group])
     t = Techniques.from_config(cfg)

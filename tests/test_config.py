@@ -106,6 +106,22 @@ def test_invalid_combination_names_the_keys():
     check_config(compose_config(["warmup_steps=0", "samples=1"]))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ("parallel=ddp parallel.backend=mpi", "parallel.backend='mpi' is not one of auto, nccl, gloo"),
+    ("parallel=ddp parallel.nproc=0", "parallel.nproc=0 must be a positive integer or auto"),
+    ("parallel=fsdp parallel.nodes=0", "parallel.nodes=0 must be >= 1"),
+    ("parallel=ddp parallel.nodes=2", r"parallel.nodes=2 needs a SLURM allocation \(hydra/launcher=slurm\)"),
+    ("parallel=ddp device=cpu parallel.backend=nccl", "parallel.backend=nccl needs CUDA devices"),
+    ("parallel=fsdp1 parallel.sharding=hybrid", "parallel.sharding='hybrid' is not one of full, grad_op, no_shard"),
+    ("parallel=fsdp1 parallel.backward_prefetch=later", "parallel.backward_prefetch='later' is not one of pre, post"),
+    ("parallel.nproc=2", "parallel=single runs one process: parallel.nproc=2"),
+])
+def test_a_parallel_setting_that_cannot_run_is_invalid_before_any_rank_starts(overrides, message, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(Invalid, match=message):
+        check_config(compose_config(overrides.split()))
+
+
 @pytest.mark.parametrize("override, message", [
     ("accumulation.steps=abc", "accumulation.steps='abc' must be int"),  # was "'<' not supported between..."
     ("accumulation.steps=true", "accumulation.steps=True must be int"),

@@ -35,9 +35,9 @@ class Untraceable(Exception):
 
 def trace(config: dict) -> Prediction:
     """Predict one rank's peak device memory (MiB) for a resolved config from a fake step."""
-    # Validity is the job's business (it checked with device "auto"); "cuda" here would ask
-    # torch.cuda about bf16 and the GPU count, questions for the worker's host, not this one.
-    t = check_config(config, "cpu" if config["device"] == "cpu" else "auto")
+    # Validity is the job's business (check_config without a device, as the job calls it); "cuda"
+    # here would ask torch.cuda about bf16 and the GPU count, questions for the worker's host.
+    t = check_config(config)
     _check_traceable(t)
     device = _device(config["device"])
     ddp = isinstance(t.parallel, par.DDP)
