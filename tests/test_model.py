@@ -1,6 +1,7 @@
 """The model is GPT-2: its sizes, its parameter counts, and its logits next to Hugging Face's."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from ablate.model import GPT, SIZES, GPTConfig, on_meta
-from helpers import ROOT, compose_config
+from helpers import FAST, ROOT, compose_config
 
 # GPT-2's published parameter counts (tied embeddings, vocab 50257, 1024 positions).
 GPT2_PARAMS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
@@ -89,3 +90,38 @@ def test_init_from_rejects_a_mismatched_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=f"model.init_from={tmp_path}: model.n_embd=64 but the checkpoint has 32$"):
         load_weights(GPT(GPTConfig(1, 2, 64, vocab_size=50, block_size=16)), tmp_path)
 
+
+
+def test_a_run_from_a_checkpoint_starts_at_the_checkpoints_loss(tmp_path):
+    """`model.init_from=DIR` through the CLI: the first step's loss is the checkpoint's on that
+    batch, whether the model is built on the CPU and overwritten or built on meta and filled
+    (precision.init_on_device=true, where nothing is initialised before the weights arrive)."""
+    from hydra.utils import instantiate
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ablate.hf import load_weights, read_config
+    from helpers import results_under, run_cli
+
+    cfg = compose_config(FAST)
+    model = cfg["model"]
+    torch.manual_seed(7)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=model["n_layer"], n_head=model["n_head"], n_embd=model["n_embd"],
+                                    vocab_size=model["vocab_size"], n_positions=model["block_size"],
+                                    bos_token_id=0, eos_token_id=0))
+    with torch.no_grad():  # large tied embeddings: a loss far from a fresh model's log(vocab_size)
+        hf.transformer.wte.weight.mul_(20)
+    hf.save_pretrained(tmp_path / "ckpt")
+    ours = GPT(GPTConfig(**read_config(tmp_path / "ckpt")))
+    load_weights(ours, tmp_path / "ckpt")
+    x, y = instantiate(cfg["data"]).load(cfg["seq_len"]).train_batch(0, cfg["batch_size"])
+    with torch.no_grad():
+        expected = ours(torch.as_tensor(x), torch.as_tensor(y))[1].item()
+
+    proc = run_cli(["-m", f"model.init_from={tmp_path / 'ckpt'}", "precision.init_on_device=false,true",
+                    f"hydra.sweep.dir={tmp_path}/s"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = results_under(tmp_path / "s")
+    assert len(rows) == 2 and all(r["status"] == "ok" for r in rows), [r["reason"] for r in rows]
+    for row in rows:
+        assert row["metrics"]["losses"][0] == pytest.approx(expected, rel=1e-5)
+    assert abs(expected - math.log(model["vocab_size"])) > 1  # not what a fresh initialisation gives
