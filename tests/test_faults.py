@@ -70,7 +70,8 @@ def hung_job(tmp_path):
     jobs = []
 
     def start(*args: str, fault: str = "hang") -> subprocess.Popen:
-        env = {**os.environ, "ABLATE_FAULT": fault}
+        # PYTHONFAULTHANDLER: a job that does not end is sent SIGABRT and prints every thread's stack
+        env = {**os.environ, "ABLATE_FAULT": fault, "PYTHONFAULTHANDLER": "1"}
         jobs.append(subprocess.Popen([sys.executable, "-m", "ablate", *args, f"out_dir={tmp_path}", *FAST],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + 60
@@ -85,6 +86,16 @@ def hung_job(tmp_path):
             job.kill()
 
 
+def _exit_status(job: subprocess.Popen, timeout: float = 60) -> int:
+    """The job's exit status once it ends; if it has not within `timeout` s, an assertion error
+    showing where each of its threads was (faulthandler's dump on SIGABRT) and what it printed."""
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.send_signal(signal.SIGABRT)
+        raise AssertionError(f"the job was still running {timeout} s later:\n{job.communicate(timeout=30)[0][-6000:]}")
+
+
 def _workers_of(tmp_path) -> list:
     spec = str(next(tmp_path.rglob("spec.json")))
     return [p for p in psutil.process_iter(["cmdline"]) if spec in (p.info["cmdline"] or [])]
@@ -94,7 +105,7 @@ def test_a_sweep_stopped_by_sigterm_writes_the_points_row_and_starts_no_other(tm
     job = hung_job("-m", "optimizer=sgd,adamw", f"hydra.sweep.dir={tmp_path}/s",
                    fault="hang:optimizer=sgd")
     job.send_signal(signal.SIGTERM)  # what scancel or `timeout` sends
-    assert job.wait(timeout=60) == -signal.SIGTERM, job.stdout.read()  # ended by it, once the row was written
+    assert _exit_status(job) == -signal.SIGTERM, job.stdout.read()  # ended by it, once the row was written
     (row,) = results_under(tmp_path / "s")  # adamw, the next point, never started
     assert row["choices"]["optimizer"] == "sgd"
     assert row["status"] == "error" and "received SIGTERM" in row["reason"]
@@ -104,7 +115,7 @@ def test_a_sweep_stopped_by_sigterm_writes_the_points_row_and_starts_no_other(tm
 def test_sigusr2_is_a_timeout_row_and_a_find_batch_search_stops_at_it(tmp_path, hung_job):
     job = hung_job("batch_size=8", "find_batch=true")
     job.send_signal(signal.SIGUSR2)  # SLURM's warning before its time limit (submitit's setting)
-    assert job.wait(timeout=60) == -signal.SIGUSR2, job.stdout.read()
+    assert _exit_status(job) == -signal.SIGUSR2, job.stdout.read()
     (row,) = results_under(tmp_path)
     assert row["status"] == "timeout" and "received SIGUSR2" in row["reason"]
     assert len(row["metrics"]["find_batch"]) == 1  # the stopped probe, and no probe after it
@@ -114,7 +125,7 @@ def test_sigusr2_is_a_timeout_row_and_a_find_batch_search_stops_at_it(tmp_path, 
 def test_ctrl_c_stops_the_sweep_with_a_message_and_no_traceback(tmp_path, hung_job):
     job = hung_job("-m", "optimizer=sgd,adamw", f"hydra.sweep.dir={tmp_path}/s", fault="hang:optimizer=sgd")
     job.send_signal(signal.SIGINT)
-    assert job.wait(timeout=60) == -signal.SIGINT  # ended by it, as a calling shell loop needs to see
+    assert _exit_status(job) == -signal.SIGINT  # ended by it, as a calling shell loop needs to see
     output = job.stdout.read()
     assert "interrupted: finished points keep their rows" in output and "Traceback" not in output
     assert not results_under(tmp_path / "s")  # no row for the interrupted point, and no next point
