@@ -63,6 +63,14 @@ def test_invalid_combination_is_a_row_and_starts_no_worker(tmp_path):
     assert len(list((tmp_path / "s").rglob("worker.log"))) == 1
 
 
+def _as_at_a_terminal() -> None:
+    """In the job before exec: SIGINT at its default, as in a shell at a terminal. A suite run
+    from a background shell (`make test &`, a CI runner) hands its children SIGINT ignored, and
+    Python then installs no KeyboardInterrupt handler: the Ctrl-C test would wait on a job that
+    never heard it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def hung_job(tmp_path):
     """start(*args, fault=...): a job whose worker hangs in training; whatever a failing test leaves
@@ -73,7 +81,8 @@ def hung_job(tmp_path):
         # PYTHONFAULTHANDLER: a job that does not end is sent SIGABRT and prints every thread's stack
         env = {**os.environ, "ABLATE_FAULT": fault, "PYTHONFAULTHANDLER": "1"}
         jobs.append(subprocess.Popen([sys.executable, "-m", "ablate", *args, f"out_dir={tmp_path}", *FAST],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_as_at_a_terminal))
         deadline = time.monotonic() + 60
         while not any('"train"' in p.read_text() for p in tmp_path.rglob("events.jsonl")):
             assert time.monotonic() < deadline and jobs[-1].poll() is None
