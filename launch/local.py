@@ -87,13 +87,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _last_log_line(log: Path) -> str:
-    """": <the log's last line>", the likeliest cause of a silent exit; "" for an empty log."""
+def _without_a_result(log: Path) -> str:
+    """"without a result", with the log's last line (the likeliest cause of a silent exit) if any."""
     try:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
-        return ""
-    return f": {lines[-1].strip()[:300]}" if lines else ""
+        lines = []
+    return f"without a result: {lines[-1].strip()[:300]}" if lines else "without a result"
 
 
 def _signal_name(code: int) -> str:
@@ -132,10 +132,10 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
         return Outcome(failures[0]["status"], named(failures[0]))
     if died:
         return Outcome("error", f"rank {died[0]['rank']} ended with {_signal_name(died[0]['exitcode'])} "
-                                f"without a result{_last_log_line(log)}")
+                                f"{_without_a_result(log)}")
     if returncode < 0:
         return Outcome("error", f"worker {_killed_by(returncode)} without a result")
-    return Outcome("error", f"worker exited with code {returncode} without a result{_last_log_line(log)}")
+    return Outcome("error", f"worker exited with code {returncode} {_without_a_result(log)}")
 
 
 def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,

@@ -18,6 +18,10 @@ def config(batch_size: int = 32) -> dict:
     return {"batch_size": batch_size, "accumulation": {"steps": 1}, "find_batch": True, "steps": 50, "samples": None}
 
 
+def micro_of(cfg: dict) -> int:
+    return cfg["batch_size"] // cfg["accumulation"]["steps"]
+
+
 class FakeRuns:
     """run(config, where) for find_batch.measured: a peak of `mib_per_sample` per sample of the
     micro-batch, `status` for every probe; remembers what ran where."""
@@ -28,7 +32,7 @@ class FakeRuns:
         self.calls: list[tuple[int, int, str]] = []  # (micro-batch, steps, directory name)
 
     def __call__(self, cfg: dict, where) -> Outcome:
-        micro = cfg["batch_size"] // cfg["accumulation"]["steps"]
+        micro = micro_of(cfg)
         assert cfg["find_batch"] is False  # a probe never searches again
         self.calls.append((micro, cfg["steps"], where.name))
         metrics = {self.peak_key: micro * self.mib_per_sample} if self.status == "ok" else {}
@@ -58,12 +62,11 @@ def test_allocated_counts_where_a_device_reports_no_reserved_peak(tmp_path):
     assert find_batch.measured(config(8), CAPACITY, tmp_path, runs).metrics["max_batch_size"] == 2
 
 
-@pytest.mark.parametrize("status, expected", [("oom", "oom"), ("error", "error"), ("invalid", "invalid"),
-                                              ("timeout", "timeout")])
-def test_a_point_that_fits_nowhere_keeps_its_smallest_probes_status_and_reason(tmp_path, status, expected):
+@pytest.mark.parametrize("status", ["oom", "error", "invalid", "timeout"])
+def test_a_point_that_fits_nowhere_keeps_its_smallest_probes_status_and_reason(tmp_path, status):
     runs = FakeRuns(mib_per_sample=1.0, status=status, reason="what the worker said")
     out = find_batch.measured(config(8), CAPACITY, tmp_path, runs)
-    assert out.status == expected
+    assert out.status == status
     assert out.reason == "no micro-batch of batch_size=8 fits: micro-batch 1: what the worker said"
     assert [micro for micro, _, _ in runs.calls][-1] == 1  # and the point is not run after the search
 
@@ -72,8 +75,7 @@ def test_the_smallest_micro_batchs_failure_is_the_points(tmp_path):
     """The search starts in the middle: micro-batch 4 runs out of memory before micro-batch 1
     crashes, and the crash is what stops the point."""
     def run(cfg, where):
-        micro = cfg["batch_size"] // cfg["accumulation"]["steps"]
-        return Outcome("error", "RuntimeError: crash") if micro == 1 else Outcome("oom", "CUDA out of memory")
+        return Outcome("error", "RuntimeError: crash") if micro_of(cfg) == 1 else Outcome("oom", "CUDA out of memory")
 
     out = find_batch.measured(config(8), CAPACITY, tmp_path, run)
     assert [p["micro_batch"] for p in out.metrics["find_batch"]][0] > 1
@@ -94,7 +96,7 @@ def prediction(peak_mib: float) -> Prediction:
 
 
 def test_planned_judges_each_micro_batch_by_its_prediction():
-    predict = lambda cfg: prediction(100.0 * cfg["batch_size"] // cfg["accumulation"]["steps"])  # noqa: E731
+    predict = lambda cfg: prediction(100.0 * micro_of(cfg))  # noqa: E731
     out, best = find_batch.planned(config(32), CAPACITY, predict)
     assert out.status == "predicted" and out.metrics == {"max_batch_size": 8} and best.peak_mib == 800.0
 

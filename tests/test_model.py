@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ablate.model import GPT, SIZES, GPTConfig, on_meta
-from helpers import FAST, ROOT, compose_config
+from helpers import FAST, ROOT, compose_config, results_under, run_cli
 
 # GPT-2's published parameter counts (tied embeddings, vocab 50257, 1024 positions).
 GPT2_PARAMS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
@@ -91,7 +91,6 @@ def test_init_from_rejects_a_mismatched_checkpoint(tmp_path):
         load_weights(GPT(GPTConfig(1, 2, 64, vocab_size=50, block_size=16)), tmp_path)
 
 
-
 def test_a_run_from_a_checkpoint_starts_at_the_checkpoints_loss(tmp_path):
     """`model.init_from=DIR` through the CLI: the first step's loss is the checkpoint's on that
     batch, whether the model is built on the CPU and overwritten or built on meta and filled
@@ -100,7 +99,6 @@ def test_a_run_from_a_checkpoint_starts_at_the_checkpoints_loss(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from ablate.hf import load_weights, read_config
-    from helpers import results_under, run_cli
 
     cfg = compose_config(FAST)
     model = cfg["model"]
