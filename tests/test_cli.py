@@ -139,7 +139,10 @@ def test_makefile_keeps_only_a_torch_as_new_as_pyproject_asks():
     """`make` keeps an installed torch when it meets pyproject's floor; the two floors must agree, and
     the Makefile's check must compare versions as numbers ('2.9.1' >= '2.11' as strings)."""
     import re
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: tomllib is 3.11's copy of tomli
+        import tomli as tomllib
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     (floor,) = [r.split(">=")[1] for r in pyproject["project"]["dependencies"] if r.startswith("torch>=")]
