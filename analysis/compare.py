@@ -58,6 +58,22 @@ def references(df: pd.DataFrame, labels: list[str]) -> dict[str, str]:
     return refs
 
 
+def do_nothing(df: pd.DataFrame, labels: list[str]) -> dict[str, tuple[pd.Series, str]]:
+    """Each varied column that has a do-nothing value -> (which rows have it, how to name it): a
+    group at its reference option (references()), an option key at its option's default
+    (`optimizer.in_backward` at False), a run key off (OFF_KEYS). `model`, `batch_size` and the
+    like have none: no value of theirs is the plain run."""
+    out = {group: (df[group].astype(str) == ref, ref) for group, ref in references(df, labels).items()}
+    for col in labels:
+        if col in OFF_KEYS:
+            out[col] = (df[col].isna() | (df[col].astype(str) == "False"), "off")
+        elif "." in col and col.split(".")[0] in GROUPS:
+            at = df.apply(lambda row: pd.notna(row[col]) and not set_away_from_default(row, col), axis=1)
+            defaults = set(df.loc[at.astype(bool), col].astype(str))
+            out[col] = (at.astype(bool), defaults.pop() if len(defaults) == 1 else "its option's default")
+    return out
+
+
 def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> int:
     """The row every delta is taken against: the run with the most varied groups at their reference
     option (all of them, where such a run exists), then the most varied option keys at their

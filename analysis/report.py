@@ -45,7 +45,7 @@ def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple
         out.append(("All runs", tables.full(df, labels, bases)))
         effects = tables.marginal(df, labels)
         if not effects.empty and (effects["Pairs"] != "0").any():
-            out.append(("Marginal effects (median change against each group's reference option)", effects))
+            out.append(("Marginal effects (median change against each column's do-nothing value)", effects))
     return out
 
 

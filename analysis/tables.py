@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from ablate.schema import GROUPS
-from analysis.compare import BASELINE, references, set_away_from_default
+from analysis.compare import BASELINE, do_nothing, set_away_from_default
 
 NAMES = {
     ("checkpoint", "block"): "Block recompute", ("checkpoint", "every2"): "Recompute every 2nd block",
@@ -225,32 +225,34 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
 
 
 def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
-    """For each varied group and option: the median change in memory, time and loss against the
-    group's reference option (references()), over pairs of ok runs that are equal in every other
-    varied column. The rows name the reference ("fsdp vs ddp")."""
+    """For each varied column with a do-nothing value (do_nothing: a group's reference
+    option, an option key's default, a run key off) and each other value it takes: the median
+    change in memory, time and loss against the do-nothing value, over pairs of ok runs that are
+    equal in every other varied column. "Against" names the do-nothing value ("fsdp" vs "ddp")."""
+    ok = df[df["status"] == "ok"]
     rows = []
-    for group, reference in references(df, labels).items():
-        others = [c for c in labels if c != group]
-        ok = df[df["status"] == "ok"]
-        base = ok[ok[group] == reference].set_index(others) if others else ok[ok[group] == reference]
-        for option in sorted(set(df[group]) - {reference}):
-            runs = ok[ok[group] == option]
-            pairs = []
-            for _, run in runs.iterrows():
-                key = tuple(run[c] for c in others) if len(others) > 1 else (run[others[0]] if others else None)
-                try:
-                    ref = base.loc[key] if others else base.iloc[0]
-                except (KeyError, IndexError):
-                    continue
-                ref = ref.iloc[0] if isinstance(ref, pd.DataFrame) else ref
-                pairs.append([_pct(run[m], ref[m]) for m in (MEMORY, "iter_time_ms", "loss_final")])
-            failed_runs = int((df[group] == option).sum() - len(runs))
+    for col, (at_ref, against) in do_nothing(df, labels).items():
+        others = [c for c in labels if c != col]
+        same = lambda frame: [tuple(map(str, r)) for r in frame[others].itertuples(index=False)]  # noqa: E731
+        base = ok[at_ref[ok.index]]
+        refs = dict(zip(reversed(same(base)), reversed(base.index)))  # the first run of each kind
+        values = df.loc[~at_ref & df[col].notna(), col].astype(str)
+        for option in sorted(set(values), key=_natural):
+            chosen = ~at_ref & (df[col].astype(str) == option)
+            runs = ok[chosen[ok.index]]
+            pairs = [[_pct(run[m], df.loc[refs[k], m]) for m in (MEMORY, "iter_time_ms", "loss_final")]
+                     for k, (_, run) in zip(same(runs), runs.iterrows()) if k in refs]
             med = pd.DataFrame(pairs).median() if pairs else pd.Series([float("nan")] * 3)
-            rows.append({"Group": group, "Option": option, "Against": reference,
+            rows.append({"Group": col, "Option": option, "Against": against,
                          "Δ memory (median)": _signed(med.iloc[0]), "Δ iteration time (median)": _signed(med.iloc[1]),
                          "Δ final loss (median)": _signed(med.iloc[2]), "Pairs": str(len(pairs)),
-                         "Not ok": str(failed_runs)})
+                         "Not ok": str(int(chosen.sum()) - len(runs))})
     return pd.DataFrame(rows)
+
+
+def _natural(value: str):
+    """Numbers in numeric order ("8.0" before "16.0"), then text."""
+    return (0, float(value), "") if _number(value) else (1, 0.0, value)
 
 
 def _number(value) -> bool:

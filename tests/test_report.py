@@ -19,12 +19,13 @@ BASE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "chec
 
 
 def _write(root, name, status="ok", peak=None, latency=None, batch=128, steps=1, finished="2026-01-01T00:00:00",
-           reason=None, gpu="NVIDIA H100 80GB HBM3", util=None, loss=3.0, tflops=10.0, predicted=None, **choices):
+           reason=None, gpu="NVIDIA H100 80GB HBM3", util=None, loss=3.0, tflops=10.0, predicted=None, config=None,
+           **choices):
     metrics = {"peak_allocated_mib": peak, "train_latency_s": latency, "iter_time_ms": latency and latency * 10,
                "tokens_per_s": latency and 1000 / latency, "tflops": tflops if peak else None,
                "loss_final": loss if peak else None, "gpu_util_pct_mean": util and util[0],
                "gpu_util_pct_std": util and util[1], "losses": [4.0, loss] if peak else []}
-    config = {"batch_size": batch, "accumulation": {"steps": steps}}
+    config = {"batch_size": batch, "accumulation": {"steps": steps}, **(config or {})}
     r = results.make(name, status, reason, {**BASE, **choices}, config, [], metrics=metrics,
                      env={"gpu_name": gpu, "world_size": 1},
                      prediction={"peak_mib": predicted, "breakdown_mib": None} if predicted else None,
@@ -108,6 +109,23 @@ def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
     assert m.loc[("optimizer", "sgd")].tolist() == ["adamw", "-48.6%", "-8.8%", "+10.0%", "2", "0"]
     assert m.loc[("checkpoint", "block")]["Δ memory (median)"] == "-40.0%"
     assert m.loc[("optimizer", "adafactor")]["Not ok"] == "1"
+
+
+def test_marginal_effects_cover_option_keys_and_run_keys(tmp_path):
+    """`optimizer.in_backward=false,true compile=null,true`: neither is a group, yet each is a
+    technique with a do-nothing value (the option's default, off) and gets its row."""
+    for in_backward, compile_, peak, time_s in ((False, None, 1000, 10), (True, None, 800, 11),
+                                                (False, True, 950, 8), (True, True, 750, 9)):
+        _write(tmp_path, f"{in_backward}-{compile_}", peak=peak, latency=time_s,
+               config={"optimizer": {"in_backward": in_backward}, "compile": compile_})
+    df = load([tmp_path])
+    labels = compare.varied(df)
+    assert set(labels) == {"compile", "optimizer.in_backward"}
+    m = tables.marginal(df, labels).set_index(["Group", "Option"])
+    # in_backward: -20% and -21.1% memory, +10% and +12.5% time; compile: -5% and -6.25%, -20% and -18.2%
+    assert m.loc[("optimizer.in_backward", "True")].tolist() == ["False", "-20.5%", "+11.2%", "+0.0%", "2", "0"]
+    assert m.loc[("compile", "True")].tolist() == ["off", "-5.6%", "-19.1%", "+0.0%", "2", "0"]
+    assert len(m) == 2
 
 
 def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_reference(tmp_path, capsys):
