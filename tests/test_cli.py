@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ablate.build import gpt_config
+from ablate.build import check_config, gpt_config
 from ablate.model import GPT
 from helpers import ROOT, compose_config, results_under, run_cli
 
@@ -152,3 +152,17 @@ def test_makefile_keeps_only_a_torch_as_new_as_pyproject_asks():
     for version, keep in [("2.9.1", False), ("2.10.0", False), (floor + ".0", True), ("2.13.0+cpu", True)]:
         code = check.replace("m.version('torch')", repr(version)).replace("$(TORCH_FLOOR)", floor)
         assert (subprocess.run([sys.executable, "-c", code]).returncode == 0) is keep, version
+
+
+def test_help_says_what_ablate_is_and_its_examples_are_valid_points():
+    """`--help` opens with what ablate does, lists the groups, and ends with examples; each example
+    composes and passes the job's checks (a sweep's first value of each list standing in for it)."""
+    proc = subprocess.run([sys.executable, "-m", "ablate", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ablate: ablation grids of memory-saving techniques")
+    assert "optimizer: adafactor, adamw, adamw8bit" in proc.stdout and "== Examples ==" in proc.stdout
+    examples = [ln.split()[3:] for ln in proc.stdout.splitlines() if ln.strip().startswith("python -m ablate")]
+    assert len(examples) >= 4
+    for args in examples:
+        overrides = [a.split(",")[0] for a in args if a != "-m"]
+        check_config(compose_config(overrides))
