@@ -1,5 +1,4 @@
-"""`python -m analysis.report PATH [PATH ...]`: every result.json below the paths -> the tables and
-plots memory studies publish.
+"""Every result.json below the paths -> the tables and plots memory studies publish.
 
 Prints Markdown to stdout; writes report.md (tables and plots), runs.csv (one row per run, every
 column) and the PNGs to --out (default <first PATH>/report/), and report.html with --format html.
@@ -92,14 +91,16 @@ def in_reading_order(df: pd.DataFrame, labels: list[str], ladder: bool) -> pd.Da
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.splitlines()[0])
+    intro, more = __doc__.split("\n\n", 1)
+    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=intro, epilog=more)
     parser.add_argument("paths", nargs="*", default=["outputs"],
                         help="directories (searched recursively) or result.json files (default: outputs, "
                              "where python -m ablate writes)")
-    parser.add_argument("--by", nargs="+", help="columns that label a run (default: every varied group)")
-    parser.add_argument("--baseline", help="the reference run, e.g. optimizer=adamw,batch_size=32")
+    parser.add_argument("--by", nargs="+", help="columns that label a run (default: every column that varies)")
+    parser.add_argument("--baseline", help="pick the baseline among the runs with these values, e.g. "
+                                           "parallel=fsdp or optimizer=adamw,batch_size=32")
     parser.add_argument("--ladder", action="store_true", help="rows are cumulative: also Δ vs previous row")
-    parser.add_argument("--table", choices=TABLES, action="append", help="only these tables (repeatable)")
+    parser.add_argument("--table", choices=TABLES, action="append", help="only these tables (repeatable; default: all)")
     parser.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what stdout gets")
     parser.add_argument("--out", help="where report.md, runs.csv and the plots go (default: <PATH>/report)")
     args = parser.parse_args(argv)
