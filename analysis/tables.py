@@ -100,6 +100,10 @@ def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
             parts[-1] += f" ({row[col].replace(',', ', ')})"  # "Layer-type recompute (layernorm, gelu)"
         elif col in GROUPS or "." in col:
             parts.append(NAMES.get((col, row[col]), f"{col}={row[col]}"))
+        elif col == "compile":
+            parts.append("torch.compile" if str(row[col]) == "True" else "no torch.compile")
+        elif col == "gpu_memory_gib":
+            parts.append(f"{float(row[col]):g} GiB card (emulated)" if _number(row[col]) else "the whole GPU")
         elif col == "alloc_conf":
             parts.append(f"PYTORCH_CUDA_ALLOC_CONF={row[col]}" if pd.notna(row[col]) else "default allocator settings")
         else:

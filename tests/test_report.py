@@ -126,6 +126,15 @@ def test_marginal_effects_cover_option_keys_and_run_keys(tmp_path):
     assert m.loc[("optimizer.in_backward", "True")].tolist() == ["False", "-20.5%", "+11.2%", "+0.0%", "2", "0"]
     assert m.loc[("compile", "True")].tolist() == ["off", "-5.6%", "-19.1%", "+0.0%", "2", "0"]
     assert len(m) == 2
+    assert set(_setting(tmp_path)["Setting"]) == {
+        "Baseline (batch size = 128)", "+ Optimizer step in backward", "+ torch.compile",
+        "+ torch.compile + Optimizer step in backward"}
+
+
+def test_an_emulated_card_reads_as_one(tmp_path):
+    for name, gib, peak in (("a", None, 900.0), ("b", 16.0, 800.0)):
+        _write(tmp_path, name, peak=peak, latency=1.0, config={"gpu_memory_gib": gib})
+    assert list(_setting(tmp_path)["Setting"]) == ["Baseline (batch size = 128)", "+ 16 GiB card (emulated)"]
 
 
 def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_reference(tmp_path, capsys):
