@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import compare, tables
+from ablate.results import STATUSES
 from analysis.load import load
 
 TABLES = ("setting", "batch", "full")
@@ -90,6 +91,13 @@ def in_reading_order(df: pd.DataFrame, labels: list[str], ladder: bool) -> pd.Da
     return df.reset_index(drop=True)
 
 
+def title(df: pd.DataFrame) -> str:
+    """'ablate report: 11 runs (9 ok, 1 oom, 1 error)': what failed, before any table is read."""
+    counts = df["status"].value_counts()
+    by_status = ", ".join(f"{counts[s]} {s}" for s in STATUSES if s in counts)
+    return f"ablate report: {len(df)} run{'s' if len(df) != 1 else ''} ({by_status})"
+
+
 def main(argv: list[str] | None = None) -> int:
     intro, more = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=intro, epilog=more)
@@ -127,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
 
     images = all_plots(df, labels, out)
     parts = sections(df, labels, bases, tuple(args.table or TABLES), args.ladder)
-    text = render(f"ablate report: {len(df)} runs", parts, labels, images)
+    text = render(title(df), parts, labels, images)
     (out / "report.md").write_text(text)
     df.to_csv(out / "runs.csv", index=False)
     if args.format == "html":
         from analysis.html import Section, page, write
 
         notes = [tables.FOOTNOTE] + [""] * (len(parts) - 1)  # the units, once, under the first table
-        html = page(f"ablate report: {len(df)} runs",
+        html = page(title(df),
                     [Section(t, tab, note) for (t, tab), note in zip(parts, notes)], images)
         write(out / "report.html", html)
         print(html)

@@ -70,6 +70,7 @@ def test_setting_table_labels_deltas_and_oom(ladder):
 def test_ladder_adds_delta_vs_previous_row_in_run_order(ladder, capsys):
     assert main([str(ladder), "--ladder", "--table", "setting"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("# ablate report: 4 runs (3 ok, 1 oom)\n")  # what failed, before any table
     lines = [ln for ln in out.splitlines() if ln.startswith("| ")][1:]
     assert [ln.split("|")[1].strip() for ln in lines] == [  # each rung names what it adds
         "Baseline (batch size = 128)", "+ Gradient accumulation (32 × 4 = 128)", "+ Block recompute", "+ SGD"]
