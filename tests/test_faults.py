@@ -25,6 +25,11 @@ def test_simulated_oom_is_a_row_and_the_sweep_continues(tmp_path):
     assert rows["sgd"]["status"] == "oom" and "out of memory" in rows["sgd"]["reason"]
     assert rows["sgd"]["metrics"]["iter_time_ms"] is None  # never measured: null, not 0
     assert rows["adamw"]["status"] == "ok"  # the point after the OOM still ran
+    # The sweep's last lines say what failed and how to report it.
+    last = proc.stdout.splitlines()[-3:]
+    assert last[0] == f"2 results under {tmp_path}/s: 1 ok, 1 oom"
+    assert last[1].startswith("  oom: ") and "optimizer=sgd" in last[1] and "out of memory" in last[1]
+    assert last[2] == f"report: python -m analysis.report {tmp_path}/s"
 
 
 def test_sigkilled_worker_gives_an_error_row(tmp_path):
