@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import compare, tables
 from ablate.results import STATUSES
+from analysis import compare, tables
 from analysis.load import load
 
 TABLES = ("setting", "batch", "full")
