@@ -62,15 +62,16 @@ def do_nothing(df: pd.DataFrame, labels: list[str]) -> dict[str, tuple[pd.Series
     """Each varied column that has a do-nothing value -> (which rows have it, how to name it): a
     group at its reference option (references()), an option key at its option's default
     (`optimizer.in_backward` at False), a run key off (OFF_KEYS). `model`, `batch_size` and the
-    like have none: no value of theirs is the plain run."""
+    like have none: no value of theirs is the plain run. A run whose option lacks a key (SGD has no
+    betas) counts as at that key's default."""
     out = {group: (df[group].astype(str) == ref, ref) for group, ref in references(df, labels).items()}
     for col in labels:
         if col in OFF_KEYS:
             out[col] = (df[col].isna() | (df[col].astype(str) == "False"), "off")
         elif "." in col and col.split(".")[0] in GROUPS:
-            at = df.apply(lambda row: pd.notna(row[col]) and not set_away_from_default(row, col), axis=1)
-            defaults = set(df.loc[at.astype(bool), col].astype(str))
-            out[col] = (at.astype(bool), defaults.pop() if len(defaults) == 1 else "its option's default")
+            at = df.apply(lambda row: not set_away_from_default(row, col), axis=1).astype(bool)
+            defaults = set(df.loc[at & df[col].notna(), col].astype(str))
+            out[col] = (at, defaults.pop() if len(defaults) == 1 else "its option's default")
     return out
 
 
@@ -83,13 +84,9 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     `--baseline parallel=fsdp` over `parallel=fsdp,ddp checkpoint=none,block` is FSDP without
     recompute, whatever order the rows come in."""
     candidates = _matching(df, labels, baseline) if baseline else df
-    refs = references(df, labels)
-    at_reference = sum((candidates[g].astype(str) == o).astype(int) for g, o in refs.items()) if refs else 0
-    keys = [c for c in labels if "." in c and c.split(".")[0] in GROUPS]
-    at_default = sum(candidates.apply(lambda row: not set_away_from_default(row, c), axis=1).astype(int)
-                     for c in keys)
-    at_default += sum((candidates[c].isna() | (candidates[c].astype(str) == "False")).astype(int)
-                      for c in labels if c in OFF_KEYS)
+    at = {col: mask[candidates.index].astype(int) for col, (mask, _) in do_nothing(df, labels).items()}
+    at_reference = sum(n for col, n in at.items() if col in GROUPS)  # groups at their reference option
+    at_default = sum(n for col, n in at.items() if col not in GROUPS)  # option keys at default, run keys off
     ok = (candidates["status"] == "ok").astype(int)
     score = pd.DataFrame({"refs": at_reference, "defaults": at_default, "ok": ok}, index=candidates.index)
     return score.sort_values(["refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
