@@ -66,11 +66,14 @@ def resolve_alloc_conf(config: dict) -> None:
 
 def resolve_nproc(config: dict) -> None:
     """parallel.nproc=auto -> every visible GPU, or 2 gloo processes where there is none (so a
-    DDP/FSDP sweep runs anywhere). Written into the config: the run_id names the real count."""
+    DDP/FSDP sweep runs anywhere). Written into the config: the run_id names the real count.
+    device=cuda with no GPU in sight leaves it auto, for validate() to reject: 2 would be a guess
+    at the cluster a user plans for (predict_only) and start ranks that cannot run (a real run)."""
     parallel = config["parallel"]
     if parallel["nproc"] == "auto":
         gpus = visible_gpu_count() if config["device"] != "cpu" else 0
-        parallel["nproc"] = gpus or 2
+        if gpus or config["device"] != "cuda":
+            parallel["nproc"] = gpus or 2
 
 
 def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
@@ -90,6 +93,10 @@ def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress
 
 def validate(config: dict) -> Outcome | None:
     """An `invalid` outcome for a combination that cannot run; None if it can."""
+    if config["parallel"]["nproc"] == "auto":  # left so by resolve_nproc: device=cuda, no GPU here
+        return Outcome("invalid", "parallel.nproc=auto counts the GPUs in sight, and with device=cuda this "
+                                  "machine has none: give parallel.nproc=N, the GPUs per node to plan "
+                                  "(predict_only=true) or run for")
     try:
         check_config(config)
     except Exception as exc:  # Invalid, or an option rejecting its keys (instantiate's TypeError)

@@ -66,6 +66,16 @@ def test_predict_only_plans_a_gpu_grid_on_a_machine_without_one(tmp_path):
     assert 0 < peaks["fsdp"] < peaks["ddp"]
     assert all(r["prediction"]["method"] == "analytic" and r["prediction"]["breakdown_mib"]["params"] > 0 for r in rows)
     assert not list(tmp_path.rglob("events.jsonl"))  # nothing ran
+    # Without parallel.nproc there is no GPU to count: a row that says what to give, not a plan
+    # for a guessed 2 GPUs (nor, without predict_only, 2 ranks started only to fail).
+    for extra in (["predict_only=true"], []):
+        proc = run_cli(["-m", "device=cuda", "parallel=ddp", *extra], tmp_path / "auto" / str(len(extra)),
+                       env={"CUDA_VISIBLE_DEVICES": ""})
+        assert proc.returncode == 0, proc.stderr
+        [row] = results_under(tmp_path / "auto" / str(len(extra)))
+        assert row["status"] == "invalid" and "give parallel.nproc=N" in row["reason"], row["reason"]
+        assert row["config"]["parallel"]["nproc"] == "auto"
+    assert not list(tmp_path.rglob("events.jsonl"))
 
 
 def test_prune_records_predicted_oom_and_a_later_run_measures_it(tmp_path):
