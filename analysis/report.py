@@ -98,7 +98,7 @@ def title(df: pd.DataFrame) -> str:
     return f"ablate report: {len(df)} run{'s' if len(df) != 1 else ''} ({by_status})"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     intro, more = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=intro, epilog=more)
     parser.add_argument("paths", nargs="*", default=["outputs"],
@@ -111,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", choices=TABLES, action="append", help="only these tables (repeatable; default: all)")
     parser.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what stdout gets")
     parser.add_argument("--out", help="where report.md, runs.csv and the plots go (default: <PATH>/report)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     missing = [p for p in args.paths if not Path(p).exists()]
     if missing:
         print(f"no such file or directory: {' '.join(missing)}", file=sys.stderr)
