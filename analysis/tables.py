@@ -136,7 +136,8 @@ def memory_delta(row: pd.Series, base: pd.Series) -> str:
 
 
 def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = False) -> pd.DataFrame:
-    """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row)."""
+    """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row), less
+    the columns that no row has a value in."""
     base = df.loc[base_i]
     if not ladder:  # published tables open with the baseline, then one change, then two...; a ladder keeps its order
         rest = sorted(df.index.drop(base_i), key=lambda i: len(changes(df.loc[i], base, labels)))  # stable
@@ -162,7 +163,9 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
         if row["status"] in ("ok", "predicted"):
             prev[row["status"]] = row
         prev_any = row
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    # A column no row filled says nothing: a predict_only plan has no latencies to show.
+    return table[[c for c in table if c in ("Setting", "GPU Memory Peak (MiB)") or table[c].astype(bool).any()]]
 
 
 def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
@@ -212,12 +215,9 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
         values = df[column] if column in df else pd.Series(float("nan"), index=df.index)
-        cells = [num(v, fmt) if good else "" for v, good in zip(values, ok)]
+        out[heading] = [num(v, fmt) if good else "" for v, good in zip(values, ok)]
         if column == MEMORY:  # the first metric column says how a failed run ended
-            out[heading] = cells
             out.loc[~ok, heading] = [failed(r) for _, r in df[~ok].iterrows()]
-        elif any(cells):  # not a column no run measured (on a CPU: reserved, NVML, MFU)
-            out[heading] = cells
     out["Δ loss vs baseline"] = [delta(v, b) if good else "" for v, b, good in zip(df["loss_final"], base_loss, ok)]
     if df["predicted_peak_mib"].notna().any():
         out["Predicted peak (MiB)"] = [num(v, ",.1f") for v in df["predicted_peak_mib"]]
@@ -225,7 +225,9 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
                                    in zip(df["predicted_peak_mib"], df[MEMORY], ok)]
     out["Status"] = [f"{s}: {r}" if s != "ok" and isinstance(r, str) and r else s
                      for s, r in zip(df["status"], df["reason"])]  # a predicted row has no reason
-    return out
+    # A column no row has a value in says nothing: on a CPU reserved, NVML and MFU; in a
+    # predict_only plan every measurement, Δ loss and prediction error.
+    return out[[c for c in out if c in labels or out[c].astype(bool).any()]]
 
 
 def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
