@@ -37,6 +37,8 @@ def _row(result: dict, path: Path) -> dict:
     row["losses"] = metrics.get("losses") or None  # per-step list, for loss curves
     prediction = result.get("prediction") or {}
     row["predicted_peak_mib"] = prediction.get("peak_mib")
+    for k, v in (prediction.get("breakdown_mib") or {}).items():
+        row[f"predicted_breakdown_{k}_mib"] = v
     for k, v in (metrics.get("breakdown_mib") or {}).items():
         row[f"breakdown_{k}_mib"] = v
     row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})

@@ -147,11 +147,14 @@ def paretos(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path |
 
 
 def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
-    """Stacked bars of where each ok run's peak memory went (MiB), total at the end of each bar."""
-    cols = [f"breakdown_{k}_mib" for k, _ in COMPONENTS]
+    """Stacked bars of where each ok run's peak memory went (MiB), total at the end of each bar.
+    A plan that ran nothing (predict_only) gets its predicted peaks split the same way."""
     if df.empty:
         return None
-    ok = df[_status(df, "ok")]
+    ok, prefix, title = df[_status(df, "ok")], "breakdown", "Memory breakdown per run"
+    if ok.empty:  # never measured and predicted side by side: one figure, one kind of number
+        ok, prefix, title = df[_status(df, "predicted")], "predicted_breakdown", "Predicted memory breakdown per run"
+    cols = [f"{prefix}_{k}_mib" for k, _ in COMPONENTS]
     parts = pd.DataFrame({c: _num(ok, c) for c in cols}, index=ok.index)
     keep = parts.notna().any(axis=1)  # a run with no breakdown at all is skipped, a missing part is 0
     ok, parts = ok[keep], parts[keep].fillna(0.0)
@@ -170,7 +173,7 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | No
     ax.invert_yaxis()  # first run on top, like the table
     ax.set_xlim(0, left.max() * 1.15 if left.max() > 0 else 1)
     ax.set_xlabel("memory at peak (MiB)")
-    ax.set_title(f"Memory breakdown per run{_device(df)}")
+    ax.set_title(f"{title}{_device(df)}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a bar
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, out, "breakdown.png")

@@ -107,6 +107,19 @@ def test_nothing_to_show_returns_none_and_writes_nothing(runs, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_plan_that_ran_nothing_gets_its_predicted_breakdown(runs, tmp_path):
+    measured = [c for c in runs if c.startswith("breakdown_") or c in ("peak_allocated_mib", "iter_time_ms")]
+    plan = runs.assign(status="predicted", **{c: NAN for c in measured},  # predict_only: nothing measured
+                       **{f"predicted_{c}": runs[c] for c in runs if c.startswith("breakdown_")})
+    drawn = plots.breakdown(plan, LABELS, tmp_path / "plan")
+    _assert_real_png(drawn, "breakdown.png")
+    assert plots.breakdown(plan.drop(columns=[c for c in plan if c.startswith("predicted_")]),
+                           LABELS, tmp_path / "none") is None  # no prediction breakdown: nothing to draw
+    # With one run measured, only measured breakdowns are drawn: the ok run's bar alone, a shorter figure.
+    mixed = plots.breakdown(pd.concat([plan, runs.iloc[[0]]], ignore_index=True), LABELS, tmp_path / "mixed")
+    assert mpimg.imread(mixed).shape[0] < mpimg.imread(drawn).shape[0] / 1.2  # 1 bar against 5 (415 px, 559)
+
+
 def test_odd_data_is_drawn_without_raising(runs, tmp_path):
     one = runs.iloc[[0]]
     assert plots.pareto(one, ["optimizer"], tmp_path / "one").exists()
