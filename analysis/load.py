@@ -37,10 +37,9 @@ def _row(result: dict, path: Path) -> dict:
     row["losses"] = metrics.get("losses") or None  # per-step list, for loss curves
     prediction = result.get("prediction") or {}
     row["predicted_peak_mib"] = prediction.get("peak_mib")
-    for k, v in (prediction.get("breakdown_mib") or {}).items():
-        row[f"predicted_breakdown_{k}_mib"] = v
-    for k, v in (metrics.get("breakdown_mib") or {}).items():
-        row[f"breakdown_{k}_mib"] = v
+    for prefix, parts in (("breakdown", metrics.get("breakdown_mib")),
+                          ("predicted_breakdown", prediction.get("breakdown_mib"))):
+        row.update({f"{prefix}_{k}_mib": v for k, v in (parts or {}).items()})
     row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})
     row["finished_at"] = (result.get("timing") or {}).get("finished_at")
     return row

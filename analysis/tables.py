@@ -57,6 +57,11 @@ def delta(value, base) -> str:
     return f"{100 * (value - base) / base:+.1f}%"
 
 
+def filled(table: pd.DataFrame, keep: list[str]) -> pd.DataFrame:
+    """`table` less the columns (other than `keep`) that no row has a value in: they say nothing."""
+    return table[[c for c in table if c in keep or table[c].astype(bool).any()]]
+
+
 def failed(row: pd.Series) -> str:
     """The cell a failed (or only predicted) run shows where a number would be."""
     if row["status"] == "predicted" and pd.notna(row.get("predicted_peak_mib")):
@@ -163,9 +168,7 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
         if row["status"] in ("ok", "predicted"):
             prev[row["status"]] = row
         prev_any = row
-    table = pd.DataFrame(rows)
-    # A column no row filled says nothing: a predict_only plan has no latencies to show.
-    return table[[c for c in table if c in ("Setting", "GPU Memory Peak (MiB)") or table[c].astype(bool).any()]]
+    return filled(pd.DataFrame(rows), keep=["Setting", "GPU Memory Peak (MiB)"])  # a plan has no latencies
 
 
 def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
@@ -225,9 +228,8 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
                                    in zip(df["predicted_peak_mib"], df[MEMORY], ok)]
     out["Status"] = [f"{s}: {r}" if s != "ok" and isinstance(r, str) and r else s
                      for s, r in zip(df["status"], df["reason"])]  # a predicted row has no reason
-    # A column no row has a value in says nothing: on a CPU reserved, NVML and MFU; in a
-    # predict_only plan every measurement, Δ loss and prediction error.
-    return out[[c for c in out if c in labels or out[c].astype(bool).any()]]
+    # On a CPU no reserved, NVML or MFU; in a predict_only plan no measurement, Δ loss or error.
+    return filled(out, keep=labels)
 
 
 def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
