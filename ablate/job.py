@@ -131,6 +131,18 @@ def predicted(config: dict) -> Prediction | None:
     return None
 
 
+def planned(prediction: Prediction | None, capacity: float | None) -> Outcome:
+    """A predict_only point: `predicted`, or, where a capacity is known (gpu_memory_gib, else this
+    machine's GPU) and the prediction does not fit it by find_batch's rule, an `oom` that never ran
+    (reason PRUNED, so a later real sweep measures it). One rule, so a plan's rows and its
+    find_batch answers agree, and a batch scan's plan stops where the run would."""
+    if prediction is None or find_batch.under_margin(prediction.peak_mib, capacity):
+        return Outcome("predicted", None)
+    room = capacity * (1 - find_batch.MARGIN)
+    return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB > {room:,.0f} MiB "
+                          f"({1 - find_batch.MARGIN:.0%} of {capacity:,.0f} MiB usable); not run (predict_only)")
+
+
 def outcome_of(config: dict, run_dir: Path, overrides: list[str],
                progress: Progress) -> tuple[Outcome, Prediction | None]:
     """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search
@@ -146,7 +158,8 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
     if config["predict_only"] and config["find_batch"]:
         return find_batch.planned(config, capacity, predicted)
     if config["predict_only"]:
-        return Outcome("predicted", None), predicted(config)
+        prediction = predicted(config)
+        return planned(prediction, capacity), prediction
     searched = config["find_batch"]
     prediction = predicted(find_batch.with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
     if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):

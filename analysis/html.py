@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +65,8 @@ def is_number(text: str) -> bool:
 
 
 def status_class(text: str) -> str:
-    """'warn' for 'OOM' / 'oom: ...' / 'invalid: ...', 'err' for error and timeout, else ''."""
-    head = text.strip().split(":", 1)[0].strip().lower()
+    """'warn' for 'OOM' / 'OOM (predicted ...)' / 'oom: ...' / 'invalid: ...', 'err' for error and timeout, else ''."""
+    head = re.split(r"[:(\s]", text.strip(), maxsplit=1)[0].lower()  # "OOM (predicted ~20,236)" -> "oom"
     return "warn" if head in WARN else "err" if head in ERROR else ""
 
 

@@ -204,42 +204,52 @@ def _mark_oom(ax, sizes, y: float, text: bool) -> None:
 
 
 def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
-    """Peak memory and TFLOP/s vs batch size, one line per combination of the other labels."""
+    """Peak memory and TFLOP/s vs batch size, one line per combination of the other labels. A plan
+    that ran nothing (predict_only) gets its predicted peaks alone, with the OOMs it predicted."""
     if df.empty or "batch_size" not in df:
         return None
-    df = df.assign(**{c: _num(df, c) for c in ("batch_size", MEMORY, "tflops")})
+    df = df.assign(**{c: _num(df, c) for c in ("batch_size", MEMORY, "tflops", "predicted_peak_mib")})
     df = df[np.isfinite(df["batch_size"])]
-    ok = df[_status(df, "ok") & (np.isfinite(df[MEMORY]) | np.isfinite(df["tflops"]))]
+    ok, memory = df[_status(df, "ok") & (np.isfinite(df[MEMORY]) | np.isfinite(df["tflops"]))], MEMORY
+    plan = ok.empty
+    if plan:  # never measured and predicted in one figure (as in breakdown): the plan's own numbers
+        ok, memory = df[_status(df, "predicted") & np.isfinite(df["predicted_peak_mib"])], "predicted_peak_mib"
     if df["batch_size"].nunique() < 2 or ok.empty:
         return None
     others = [c for c in labels if c in df and c != "batch_size"]
-    fig, (mem, tfl) = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    fig, axes = plt.subplots(1, 1 if plan else 2, figsize=(6 if plan else 11, 4.5), squeeze=False)
+    mem, tfl = axes[0][0], (None if plan else axes[0][1])
+    panels = [(mem, memory)] + ([] if plan else [(tfl, "tflops")])
     for (name, rows), colour in zip(_series(ok, others), plt.cm.tab10.colors * 10):
         rows = rows.sort_values("batch_size")
-        for ax, col in ((mem, MEMORY), (tfl, "tflops")):
+        for ax, col in panels:
             r = rows[np.isfinite(rows[col])]
-            ax.plot(r["batch_size"], r[col], "o-", color=colour, label=name)
+            ax.plot(r["batch_size"], r[col], "o--" if plan else "o-", color=colour, label=name)
     oom = sorted(df.loc[_status(df, "oom"), "batch_size"].unique())
     mem.set_ylim(0, mem.get_ylim()[1] * 1.15)  # headroom for the OOM marks at the top
-    tfl.set_ylim(bottom=0)
-    if not np.isfinite(ok["tflops"]).any():
-        tfl.text(0.5, 0.5, "no TFLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
     _mark_oom(mem, oom, 1.0, text=True)
-    _mark_oom(tfl, oom, 0.0, text=False)
     sizes = sorted(df["batch_size"].unique())
     if sizes[0] > 0:
         mem.set_xscale("log", base=2)  # batch sizes are usually doublings
     mem.set_xticks(sizes, [_fmt(s) for s in sizes])
     mem.minorticks_off()
-    mem.set(xlabel="batch size (samples per step)", ylabel="peak allocated memory (MiB)",
-            title="Peak memory" + (" (x = OOM)" if oom else ""))
-    tfl.set(xlabel="batch size (samples per step)", ylabel="TFLOP/s (model FLOPs per device)",
-            title="Throughput" + (" (x on axis = OOM)" if oom else ""))
-    for ax in (mem, tfl):
-        ax.grid(alpha=0.3)
-    if tfl.get_legend_handles_labels()[0]:  # no TFLOP/s line (CPU runs without them): no empty legend
-        tfl.legend(title=" / ".join(others) or None, fontsize=8)
-    fig.suptitle(f"Batch-size scan{_device(df)}")
+    predicted = "predicted " if plan else ""
+    mem.set(xlabel="batch size (samples per step)", ylabel=f"{predicted}peak allocated memory (MiB)",
+            title=f"{predicted}peak memory".capitalize() + (f" (x = {predicted}OOM)" if oom else ""))
+    mem.grid(alpha=0.3)
+    if plan and len(others):
+        mem.legend(title=" / ".join(others), fontsize=8)
+    if tfl is not None:
+        tfl.set_ylim(bottom=0)
+        if not np.isfinite(ok["tflops"]).any():
+            tfl.text(0.5, 0.5, "no TFLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
+        _mark_oom(tfl, oom, 0.0, text=False)
+        tfl.set(xlabel="batch size (samples per step)", ylabel="TFLOP/s (model FLOPs per device)",
+                title="Throughput" + (" (x on axis = OOM)" if oom else ""))
+        tfl.grid(alpha=0.3)
+        if tfl.get_legend_handles_labels()[0]:  # no TFLOP/s line (CPU runs without them): no empty legend
+            tfl.legend(title=" / ".join(others) or None, fontsize=8)
+    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{_device(df)}")
     return _save(fig, out, "batch_scan.png")
 
 

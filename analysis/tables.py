@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 
+from ablate.results import PRUNED
 from ablate.schema import GROUPS
 from analysis.compare import BASELINE, do_nothing, set_away_from_default
 
@@ -63,9 +64,13 @@ def filled(table: pd.DataFrame, keep: list[str]) -> pd.DataFrame:
 
 
 def failed(row: pd.Series) -> str:
-    """The cell a failed (or only predicted) run shows where a number would be."""
-    if row["status"] == "predicted" and pd.notna(row.get("predicted_peak_mib")):
-        return f"~{row['predicted_peak_mib']:,.0f} (predicted)"
+    """The cell a failed (or only predicted) run shows where a number would be. An OOM that was
+    only predicted (prune, or a plan with a capacity) says so: it never ran out of anything."""
+    predicted = row.get("predicted_peak_mib")
+    if row["status"] == "predicted" and pd.notna(predicted):
+        return f"~{predicted:,.0f} (predicted)"
+    if row["status"] == "oom" and str(row.get("reason") or "").startswith(PRUNED) and pd.notna(predicted):
+        return f"OOM (predicted ~{predicted:,.0f})"
     return "OOM" if row["status"] == "oom" else row["status"]
 
 
@@ -191,7 +196,7 @@ def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
                          "Iteration Time (ms)": num(row["iter_time_ms"], ".2f") if ok else ""})
             if row["status"] == "oom":
                 break  # larger batches are OOM too: the first one says it
-        tables[title] = pd.DataFrame(rows)
+        tables[title] = filled(pd.DataFrame(rows), keep=["Batch Size", "Memory (MiB)"])  # a plan measured nothing
     return tables
 
 

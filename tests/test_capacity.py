@@ -195,3 +195,27 @@ def test_batch_scan_stops_at_the_first_oom_and_records_the_rest_as_not_run(tmp_p
     assert all(r["reason"].startswith("not run: batch_size=7 ran out of memory") for r in rows[4:])
     assert len(list(tmp_path.rglob("events.jsonl"))) == 4  # only 1, 2, 4 and 7 started a worker
     assert not any(results.is_terminal(r) for r in rows[4:])
+
+
+def test_a_plan_with_a_capacity_stops_its_batch_scan_where_the_run_would(tmp_path):
+    """predict_only with gpu_memory_gib between the batch-4 and batch-7 predictions: 1, 2, 4 are
+    predicted, 7 is an oom that never ran (find_batch's 5% rule, so a plan agrees with its own
+    find_batch), the rest not run after it; a later real sweep measures them all."""
+    small = [*FAST[:5], "seq_len=32", "device=cuda"]
+    peak = {b: analytic(compose_config([*small, f"batch_size={b}"])).peak_mib for b in (4, 7)}
+    usable = (peak[4] + peak[7]) / 2 / (1 - MARGIN)
+    proc = run_cli(["-m", "experiment=batch_scan", *small, "predict_only=true", f"gpu_memory_gib={gib_for(usable)}"],
+                   tmp_path, fast=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted(results_under(tmp_path), key=lambda r: r["config"]["batch_size"])
+    assert [(r["config"]["batch_size"], r["status"]) for r in rows] == [
+        (1, "predicted"), (2, "predicted"), (4, "predicted"), *[(b, "oom") for b in (7, 8, 9, 16, 32, 64)]]
+    assert rows[3]["reason"].startswith(f"predicted: {peak[7]:,.0f} MiB > ") and "predict_only" in rows[3]["reason"]
+    assert rows[3]["prediction"]["peak_mib"] == pytest.approx(peak[7])
+    assert all(r["reason"].startswith("not run: batch_size=7 was predicted to run out of memory") for r in rows[4:])
+    assert not any(results.is_terminal(r) for r in rows)
+    assert not list(tmp_path.rglob("events.jsonl"))
+    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "batch"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert f"OOM (predicted ~{peak[7]:,.0f})" in report.stdout and "TFLOP/s" not in report.stdout
+    assert (tmp_path / "report" / "batch_scan.png").exists()

@@ -55,6 +55,7 @@ def test_number_and_status_cells():
     assert all(map(is_number, ["1,234.5", "-3%", "+12", "12.5 ± 0.3", "0"]))
     assert not any(map(is_number, ["", "nan", "inf", "adamw", "OOM", "1.2.3"]))
     assert status_class("OOM") == status_class("oom: CUDA out of memory") == "warn"
+    assert status_class("OOM (predicted ~20,236)") == "warn" and status_class("~2,660 (predicted)") == ""
     assert status_class("invalid: needs CUDA") == "warn" and status_class("error: boom") == "err"
     assert status_class("ok") == status_class("1,234.5") == ""
 

@@ -120,6 +120,17 @@ def test_a_plan_that_ran_nothing_gets_its_predicted_breakdown(runs, tmp_path):
     assert mpimg.imread(mixed).shape[0] < mpimg.imread(drawn).shape[0] / 1.2  # 1 bar against 5 (415 px, 559)
 
 
+def test_a_plan_that_ran_nothing_gets_its_predicted_batch_scan(runs, tmp_path):
+    ok = runs["status"] == "ok"
+    plan = runs.assign(status=runs["status"].where(~ok, "predicted"), peak_allocated_mib=NAN, tflops=NAN,
+                       predicted_peak_mib=runs["peak_allocated_mib"])  # adamw 32 stays a (predicted) oom
+    drawn = plots.batch_scan(plan, LABELS, tmp_path / "plan")
+    _assert_real_png(drawn, "batch_scan.png")
+    measured = plots.batch_scan(runs, LABELS, tmp_path / "measured")
+    assert mpimg.imread(drawn).shape[1] < mpimg.imread(measured).shape[1] / 1.5  # memory alone: no TFLOP/s panel
+    assert plots.batch_scan(plan.drop(columns="predicted_peak_mib"), LABELS, tmp_path / "none") is None
+
+
 def test_odd_data_is_drawn_without_raising(runs, tmp_path):
     one = runs.iloc[[0]]
     assert plots.pareto(one, ["optimizer"], tmp_path / "one").exists()

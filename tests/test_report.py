@@ -89,6 +89,24 @@ def test_batch_table_stops_at_the_first_oom_and_shows_usage_mean_std(tmp_path):
     assert t.iloc[5].tolist() == ["9", "OOM", "", "", ""]
 
 
+def test_a_plans_batch_table_shows_predicted_peaks_and_the_oom_it_predicted(tmp_path):
+    """A plan with a capacity (predict_only gpu_memory_gib=...): no measured column is left empty,
+    and the OOM row says it is a prediction, with its figure, not a measured out-of-memory."""
+    for b, peak in ((1, 2660), (8, 10862)):
+        _write(tmp_path, f"b{b}", status="predicted", batch=b, predicted=peak)
+    _write(tmp_path, "b16", status="oom", batch=16, predicted=20236,
+           reason=f"{results.PRUNED} 20,236 MiB > 15,078 MiB (95% of 15,872 MiB usable); not run (predict_only)")
+    _write(tmp_path, "b32", status="oom", batch=32, reason=f"{results.NOT_RUN} batch_size=16 was predicted to ...")
+    df = load([tmp_path])
+    (_, t), = tables.batch(df, compare.varied(df)).items()
+    assert t.values.tolist() == [["1", "~2,660 (predicted)"], ["8", "~10,862 (predicted)"],
+                                 ["16", "OOM (predicted ~20,236)"]]
+    assert list(t.columns) == ["Batch Size", "Memory (MiB)"]
+    measured_oom = df.iloc[0].copy()
+    measured_oom[["status", "reason"]] = ["oom", "CUDA out of memory"]  # has a prediction, but ran and failed
+    assert tables.failed(measured_oom) == "OOM"
+
+
 def test_full_table_and_marginal_effects_of_a_grid(tmp_path):
     for opt, ckpt, peak, time_s, loss in (("adamw", "none", 1000, 10, 3.0), ("sgd", "none", 600, 9, 3.3),
                                           ("adamw", "block", 700, 13, 3.0), ("sgd", "block", 300, 12, 3.3)):

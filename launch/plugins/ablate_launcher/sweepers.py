@@ -93,7 +93,7 @@ class LadderSweeper(BasicSweeper):
             return super().sweep(arguments)
         assert self.hydra_context is not None and self.config is not None and self.launcher is not None
         from ablate.job import record_unlaunched
-        from ablate.results import NOT_RUN
+        from ablate.results import NOT_RUN, PRUNED
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         groups = self.ladder(parser.parse_overrides([*self._parse_config(), *arguments]))
@@ -102,16 +102,20 @@ class LadderSweeper(BasicSweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         returns, launched = [], 0
         for group in groups:
-            failed = None  # the overrides that set the first out-of-memory point apart
+            failed, how = None, ""  # the overrides that set the first out-of-memory point apart
             for job in group:
                 if failed:
-                    reason = f"{NOT_RUN} {' '.join(failed)} ran out of memory before it (hydra.sweeper.stop_after_oom)"
+                    reason = f"{NOT_RUN} {' '.join(failed)} {how} before it (hydra.sweeper.stop_after_oom)"
                     record_unlaunched(self.hydra_context, self.config, job, "oom", reason)
                     continue
                 self.validate_batch_is_legal([job])
                 (ret,) = self.launcher.launch([job], initial_job_idx=launched)
                 launched += 1
                 returns.append(ret)
-                if ret.status == JobStatus.COMPLETED and (ret.return_value or {}).get("status") == "oom":
+                # a FAILED job's return_value raises its exception: it did not run out of memory
+                result = (ret.return_value or {}) if ret.status == JobStatus.COMPLETED else {}
+                if result.get("status") == "oom":
                     failed = [o for o in job if any(o not in other for other in group)]  # "batch_size=7"
+                    pruned = str(result.get("reason") or "").startswith(PRUNED)  # or a plan's (predict_only)
+                    how = "was predicted to run out of memory" if pruned else "ran out of memory"
         return [returns]
