@@ -65,7 +65,8 @@ def is_number(text: str) -> bool:
 
 
 def status_class(text: str) -> str:
-    """'warn' for 'OOM' / 'OOM (predicted ...)' / 'oom: ...' / 'invalid: ...', 'err' for error and timeout, else ''."""
+    """'warn' for 'OOM' / 'OOM (predicted ~N)' / 'oom: ...' / 'invalid: ...', 'err' for error and
+    timeout, else ''."""
     head = re.split(r"[:(\s]", text.strip(), maxsplit=1)[0].lower()  # "OOM (predicted ~20,236)" -> "oom"
     return "warn" if head in WARN else "err" if head in ERROR else ""
 

@@ -217,7 +217,8 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     if df["batch_size"].nunique() < 2 or ok.empty:
         return None
     others = [c for c in labels if c in df and c != "batch_size"]
-    fig, axes = plt.subplots(1, 1 if plan else 2, figsize=(6 if plan else 11, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, 1 if plan else 2, figsize=(6 if plan else 11, 4.5), sharex=True,
+                             squeeze=False)
     mem, tfl = axes[0][0], (None if plan else axes[0][1])
     panels = [(mem, memory)] + ([] if plan else [(tfl, "tflops")])
     for (name, rows), colour in zip(_series(ok, others), plt.cm.tab10.colors * 10):
@@ -237,7 +238,7 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     mem.set(xlabel="batch size (samples per step)", ylabel=f"{predicted}peak allocated memory (MiB)",
             title=f"{predicted}peak memory".capitalize() + (f" (x = {predicted}OOM)" if oom else ""))
     mem.grid(alpha=0.3)
-    if plan and len(others):
+    if plan and others:  # measured runs name their lines in the TFLOP/s panel's legend
         mem.legend(title=" / ".join(others), fontsize=8)
     if tfl is not None:
         tfl.set_ylim(bottom=0)
