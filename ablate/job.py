@@ -131,7 +131,7 @@ def predicted(config: dict) -> Prediction | None:
     return None
 
 
-def planned(prediction: Prediction | None, capacity: float | None) -> Outcome:
+def plan_outcome(prediction: Prediction | None, capacity: float | None) -> Outcome:
     """A predict_only point: `predicted`, or, where a capacity is known (gpu_memory_gib, else this
     machine's GPU) and the prediction does not fit it by find_batch's rule, an `oom` that never ran
     (reason PRUNED, so a later real sweep measures it). One rule, so a plan's rows and its
@@ -159,7 +159,7 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
         return find_batch.planned(config, capacity, predicted)
     if config["predict_only"]:
         prediction = predicted(config)
-        return planned(prediction, capacity), prediction
+        return plan_outcome(prediction, capacity), prediction
     searched = config["find_batch"]
     prediction = predicted(find_batch.with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
     if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):

@@ -102,10 +102,10 @@ class LadderSweeper(BasicSweeper):
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         returns, launched = [], 0
         for group in groups:
-            failed, how = None, ""  # the overrides that set the first out-of-memory point apart
+            cause = None  # "batch_size=7 ran out of memory": the first out-of-memory point, by what sets it apart
             for job in group:
-                if failed:
-                    reason = f"{NOT_RUN} {' '.join(failed)} {how} before it (hydra.sweeper.stop_after_oom)"
+                if cause:
+                    reason = f"{NOT_RUN} {cause} before it (hydra.sweeper.stop_after_oom)"
                     record_unlaunched(self.hydra_context, self.config, job, "oom", reason)
                     continue
                 self.validate_batch_is_legal([job])
@@ -115,7 +115,7 @@ class LadderSweeper(BasicSweeper):
                 # a FAILED job's return_value raises its exception: it did not run out of memory
                 result = (ret.return_value or {}) if ret.status == JobStatus.COMPLETED else {}
                 if result.get("status") == "oom":
-                    failed = [o for o in job if any(o not in other for other in group)]  # "batch_size=7"
                     pruned = str(result.get("reason") or "").startswith(PRUNED)  # or a plan's (predict_only)
-                    how = "was predicted to run out of memory" if pruned else "ran out of memory"
+                    cause = " ".join(o for o in job if any(o not in other for other in group)) + (
+                        " was predicted to run out of memory" if pruned else " ran out of memory")
         return [returns]
