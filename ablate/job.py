@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -154,18 +154,23 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
     invalid = validate(config)
     if invalid:
         return invalid, None
-    capacity = capacity_mib(config, gpu_total_mib())
+    gpu_mib = gpu_total_mib() if config["device"] != "cpu" else None
+    capacity = capacity_mib(config, gpu_mib)
+    # A row no worker ran still names the card it was judged against (as a worker's env would).
+    judged = {"gpu_total_mib": gpu_mib,
+              "emulated_gpu_mib": config["gpu_memory_gib"] * 1024 if config.get("gpu_memory_gib") else None}
     if config["predict_only"] and config["find_batch"]:
-        return find_batch.planned(config, capacity, predicted)
+        outcome, prediction = find_batch.planned(config, capacity, predicted)
+        return replace(outcome, env=judged), prediction
     if config["predict_only"]:
         prediction = predicted(config)
-        return plan_outcome(prediction, capacity), prediction
+        return replace(plan_outcome(prediction, capacity), env=judged), prediction
     searched = config["find_batch"]
     prediction = predicted(find_batch.with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
     if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):
         at = " at micro-batch 1" if searched else ""
         return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
-                              f"(+{config['prune_margin']:.0%} margin); not run"), prediction
+                              f"(+{config['prune_margin']:.0%} margin); not run", env=judged), prediction
     if not searched:
         return run_once(config, run_dir, overrides, progress), prediction
     outcome = find_batch.measured(config, capacity, run_dir,

@@ -72,10 +72,23 @@ def pareto_front(points) -> list[int]:
     return sorted(front, key=lambda i: pts[i])
 
 
+def card(df: pd.DataFrame) -> tuple[float, str] | None:
+    """The one card the rows ran or were planned on, as (memory in MiB, legend text): the card
+    gpu_memory_gib emulates (from the config: a plan has no worker to report it), else the GPU's
+    total. None when unknown (CPU) or when the rows span several cards."""
+    emulated = _num(df, "gpu_memory_gib") * 1024
+    cards = emulated.where(np.isfinite(emulated), _num(df, "env_gpu_total_mib")).dropna().unique()
+    if len(cards) != 1:
+        return None
+    mib = float(cards[0])
+    return mib, (f"{mib / 1024:g} GiB card (emulated)" if np.isfinite(emulated).any()
+                 else f"GPU memory ({mib:,.0f} MiB)")
+
+
 def _capacity(df: pd.DataFrame, peaks: pd.Series) -> float:
-    """Where an OOM sits on the memory axis: the device's memory (MiB) when known, else just past the data."""
-    total = _num(df, "env_gpu_total_mib").max()
-    return float(total) if np.isfinite(total) else 1.05 * float(peaks.max())
+    """Where an OOM sits on the memory axis: the card's memory (MiB) when known, else just past the data."""
+    known = card(df)
+    return known[0] if known else 1.05 * float(peaks.max())
 
 
 def _pareto_oom(ax, df: pd.DataFrame, ok: pd.DataFrame, labels: list[str]) -> None:
@@ -227,6 +240,10 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
             r = rows[np.isfinite(rows[col])]
             ax.plot(r["batch_size"], r[col], "o--" if plan else "o-", color=colour, label=name)
     oom = sorted(df.loc[_status(df, "oom"), "batch_size"].unique())
+    known = card(df)
+    line = None
+    if known and known[0] <= 2 * ok[memory].max():  # a far bigger card would squash the lines flat
+        line = mem.axhline(known[0], color="red", ls=":", lw=1, label=known[1])
     mem.set_ylim(0, mem.get_ylim()[1] * 1.15)  # headroom for the OOM marks at the top
     _mark_oom(mem, oom, 1.0, text=True)
     sizes = sorted(df["batch_size"].unique())
@@ -238,8 +255,10 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     mem.set(xlabel="batch size (samples per step)", ylabel=f"{predicted}peak allocated memory (MiB)",
             title=f"{predicted}peak memory".capitalize() + (f" (x = {predicted}OOM)" if oom else ""))
     mem.grid(alpha=0.3)
-    if plan and others:  # measured runs name their lines in the TFLOP/s panel's legend
-        mem.legend(title=" / ".join(others), fontsize=8)
+    if plan and (others or line):
+        mem.legend(title=" / ".join(others) or None, fontsize=8)
+    elif line:  # measured runs are named in the TFLOP/s panel's legend
+        mem.legend(handles=[line], fontsize=8)
     if tfl is not None:
         tfl.set_ylim(bottom=0)
         if not np.isfinite(ok["tflops"]).any():

@@ -215,6 +215,8 @@ def test_a_plan_with_a_capacity_stops_its_batch_scan_where_the_run_would(tmp_pat
     assert all(r["reason"].startswith("not run: batch_size=7 was predicted to run out of memory") for r in rows[4:])
     assert not any(results.is_terminal(r) for r in rows)
     assert not list(tmp_path.rglob("events.jsonl"))
+    # the rows the job judged name the card, as a worker's would; the ladder's unrun rows name none
+    assert [r["env"]["emulated_gpu_mib"] for r in rows[:4]] == [gib_for(usable) * 1024] * 4
     report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "batch"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert f"OOM (predicted ~{peak[7]:,.0f})" in report.stdout and "TFLOP/s" not in report.stdout

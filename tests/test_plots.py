@@ -131,6 +131,35 @@ def test_a_plan_that_ran_nothing_gets_its_predicted_batch_scan(runs, tmp_path):
     assert plots.batch_scan(plan.drop(columns="predicted_peak_mib"), LABELS, tmp_path / "none") is None
 
 
+def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_several(runs):
+    assert plots.card(runs) is None  # CPU runs: no card
+    h100 = runs.assign(env_gpu_total_mib=81559.0)
+    assert plots.card(h100) == (81559.0, "GPU memory (81,559 MiB)")
+    # a plan has no worker to report env: gpu_memory_gib alone names the card
+    assert plots.card(runs.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
+    assert plots.card(h100.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
+    assert plots.card(h100.assign(gpu_memory_gib=[16.0, 24.0] * 3)) is None  # two cards: no one line
+    # the pareto plot's OOM line on an emulated card sits at that card, not at the whole H100
+    assert plots._capacity(h100.assign(gpu_memory_gib=0.5), runs["peak_allocated_mib"]) == 512.0
+
+
+def test_the_batch_scan_draws_the_card_it_was_judged_against(runs, tmp_path, monkeypatch):
+    """A plan for a 16 GiB card shows that card's line; a card far above every point (an 80 GB GPU
+    behind runs of a few hundred MiB) is left out rather than squash the lines flat."""
+    lines = []
+    axhline = plots.plt.Axes.axhline
+    monkeypatch.setattr(plots.plt.Axes, "axhline", lambda ax, y, **k: lines.append((y, k["label"])) or axhline(ax, y, **k))
+    ok = runs["status"] == "ok"
+    plan = runs.assign(status=runs["status"].where(~ok, "predicted"), peak_allocated_mib=NAN, tflops=NAN,
+                       predicted_peak_mib=runs["peak_allocated_mib"], gpu_memory_gib=0.5)  # peaks up to 492 MiB
+    _assert_real_png(plots.batch_scan(plan, LABELS, tmp_path / "plan"), "batch_scan.png")
+    assert lines == [(512.0, "0.5 GiB card (emulated)")]
+    plots.batch_scan(runs.assign(env_gpu_total_mib=81559.0), LABELS, tmp_path / "h100")
+    assert len(lines) == 1
+    plots.batch_scan(runs.assign(env_gpu_total_mib=900.0), LABELS, tmp_path / "small")  # peaks up to 492
+    assert lines[1:] == [(900.0, "GPU memory (900 MiB)")]
+
+
 def test_odd_data_is_drawn_without_raising(runs, tmp_path):
     one = runs.iloc[[0]]
     assert plots.pareto(one, ["optimizer"], tmp_path / "one").exists()
