@@ -28,10 +28,11 @@ def usable_mib(gpu_mib: float) -> float:
 
 
 def capacity_mib(config: dict, gpu_total_mib: float | None) -> float | None:
-    """The allocator budget of one rank: the emulated card's, else the real GPU's (None: unknown)."""
+    """The allocator budget of one rank: the emulated card's, else that of the GPU the point runs on
+    (`gpu_total_mib`, None for none, e.g. device=cpu). None: unknown."""
     if config.get("gpu_memory_gib"):
         return usable_mib(config["gpu_memory_gib"] * 1024)
-    return usable_mib(gpu_total_mib) if gpu_total_mib and config["device"] != "cpu" else None
+    return usable_mib(gpu_total_mib) if gpu_total_mib else None
 
 
 class MemoryLimit:

@@ -85,6 +85,12 @@ def read(path: str | Path) -> dict | None:
     return obj if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
 
 
+def predicted_oom(result) -> bool:
+    """An oom that never ran: its prediction did not fit (prune, or a plan with a capacity).
+    `result` is a result dict or a report row (anything with .get)."""
+    return result.get("status") == "oom" and str(result.get("reason") or "").startswith(PRUNED)
+
+
 def is_terminal(result: dict) -> bool:
     """A measured outcome that a rerun would repeat (not a prediction, not a transient failure)."""
     return result.get("status") in TERMINAL and not str(result.get("reason") or "").startswith((PRUNED, NOT_RUN))

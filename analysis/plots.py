@@ -6,62 +6,21 @@ data has nothing to show. Memory is the torch allocator's peak of allocated byte
 """
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")  # no display on the analysis machines; set before pyplot is imported
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from analysis.compare import varies
+from analysis.figure import as_text, card, fmt, is_status, num, on_device, plt, run_label, save, series
 
-from analysis.compare import varies  # noqa: E402
-
-DPI = 150
 MEMORY = "peak_allocated_mib"
 # (breakdown component, legend text), stacked in this order: what the model owns, then what training adds.
 COMPONENTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
               ("activations", "activations"), ("other", "other"))
 LOSS_VARIANTS = ("precision", "optimizer")  # runs that differ only in these should train alike
-
-
-def _num(df: pd.DataFrame, col: str) -> pd.Series:
-    """A column as floats; missing columns and non-numbers become NaN."""
-    if col not in df:
-        return pd.Series(np.nan, index=df.index, dtype=float)
-    return pd.to_numeric(df[col], errors="coerce").astype(float)
-
-
-def _status(df: pd.DataFrame, status: str) -> pd.Series:
-    return df["status"] == status if "status" in df else pd.Series(False, index=df.index)
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return "?" if math.isnan(value) else f"{value:g}"
-    return "?" if value is None else str(value)
-
-
-def _label(row: pd.Series, labels: list[str]) -> str:
-    """Short run name: the label columns' values, e.g. "sgd / 8"."""
-    cols = [c for c in labels if c in row.index and not ("." in c and pd.isna(row[c]))]  # a key its option lacks
-    return " / ".join(_fmt(row[c]) for c in cols) if cols else _fmt(row.get("run_id"))
-
-
-def _device(df: pd.DataFrame) -> str:
-    names = df["env_gpu_name"].dropna().unique() if "env_gpu_name" in df else []
-    return f" on {names[0]}" if len(names) == 1 else ""
-
-
-def _save(fig, out: str | Path, name: str) -> Path:
-    path = Path(out) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)  # keep memory flat across many plots
-    return path
 
 
 def pareto_front(points) -> list[int]:
@@ -72,19 +31,6 @@ def pareto_front(points) -> list[int]:
     return sorted(front, key=lambda i: pts[i])
 
 
-def card(df: pd.DataFrame) -> tuple[float, str] | None:
-    """The one card the rows ran or were planned on, as (memory in MiB, legend text): the card
-    gpu_memory_gib emulates (from the config: a plan has no worker to report it), else the GPU's
-    total. None when unknown (CPU) or when the rows span several cards."""
-    emulated = _num(df, "gpu_memory_gib") * 1024
-    cards = emulated.where(np.isfinite(emulated), _num(df, "env_gpu_total_mib")).dropna().unique()
-    if len(cards) != 1:
-        return None
-    mib = float(cards[0])
-    return mib, (f"{mib / 1024:g} GiB card (emulated)" if np.isfinite(emulated).any()
-                 else f"GPU memory ({mib:,.0f} MiB)")
-
-
 def _capacity(df: pd.DataFrame, peaks: pd.Series) -> float:
     """Where an OOM sits on the memory axis: the card's memory (MiB) when known, else just past the data."""
     known = card(df)
@@ -92,13 +38,13 @@ def _capacity(df: pd.DataFrame, peaks: pd.Series) -> float:
 
 
 def _pareto_oom(ax, df: pd.DataFrame, ok: pd.DataFrame, labels: list[str]) -> None:
-    oom = df[_status(df, "oom")]
+    oom = df[is_status(df, "oom")]
     if oom.empty:
         return
     cap, y = _capacity(df, ok[MEMORY]), float(ok["iter_time_ms"].median())
     ax.axvline(cap, color="red", ls="--", lw=1, label=f"OOM (capacity {cap:,.0f} MiB)")
     ax.scatter([cap] * len(oom), [y] * len(oom), marker="x", color="red", s=60, zorder=4)
-    names = "\n".join(_label(r, labels) for _, r in oom.iterrows())
+    names = "\n".join(run_label(r, labels) for _, r in oom.iterrows())
     ax.annotate(f"OOM:\n{names}", (cap, y), xytext=(-6, 0), textcoords="offset points",
                 ha="right", va="center", fontsize=7, color="red")
     if cap > 4 * ok[MEMORY].max() and ok[MEMORY].min() > 0:
@@ -113,8 +59,8 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pa
     """Peak memory vs iteration time per ok run, the Pareto front as a step line, OOMs at capacity."""
     if df.empty:
         return None
-    ok = df[_status(df, "ok")]
-    ok = ok.assign(**{c: _num(ok, c) for c in (MEMORY, "iter_time_ms", "loss_final")})
+    ok = df[is_status(df, "ok")]
+    ok = ok.assign(**{c: num(ok, c) for c in (MEMORY, "iter_time_ms", "loss_final")})
     ok = ok[np.isfinite(ok[MEMORY]) & np.isfinite(ok["iter_time_ms"])]
     if ok.empty:
         return None
@@ -137,16 +83,16 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pa
         ax.scatter(x[~has_loss], y[~has_loss], color="0.7", s=50, edgecolors="k", linewidths=0.5,
                    zorder=3, label="no final loss")
     for (_, row), xi, yi in zip(ok.iterrows(), x, y):
-        ax.annotate(_label(row, labels), (xi, yi), xytext=(4, 4), textcoords="offset points", fontsize=7)
+        ax.annotate(run_label(row, labels), (xi, yi), xytext=(4, 4), textcoords="offset points", fontsize=7)
     _pareto_oom(ax, df, ok, labels)
     ax.margins(x=0.12, y=0.08)  # room for the run labels written to the right of each marker
     ax.set_xlabel("peak allocated memory (MiB" + (", log scale)" if ax.get_xscale() == "log" else ")"))
     ax.set_ylabel("iteration time (ms, median)")
     model = f" of {df['model'].iloc[0]}" if "model" in df and df["model"].nunique() == 1 else ""
-    ax.set_title(f"Memory vs. speed{model}{_device(df)} (lower-left is better)")
+    ax.set_title(f"Memory vs. speed{model}{on_device(df)} (lower-left is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    return _save(fig, out, name)
+    return save(fig, out, name)
 
 
 def paretos(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path | None]:
@@ -164,16 +110,16 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | No
     A plan that ran nothing (predict_only) gets its predicted peaks split the same way."""
     if df.empty:
         return None
-    ok, prefix, title = df[_status(df, "ok")], "breakdown", "Memory breakdown per run"
+    ok, prefix, title = df[is_status(df, "ok")], "breakdown", "Memory breakdown per run"
     if ok.empty:  # never measured and predicted side by side: one figure, one kind of number
-        ok, prefix, title = df[_status(df, "predicted")], "predicted_breakdown", "Predicted memory breakdown per run"
+        ok, prefix, title = df[is_status(df, "predicted")], "predicted_breakdown", "Predicted memory breakdown per run"
     cols = [f"{prefix}_{k}_mib" for k, _ in COMPONENTS]
-    parts = pd.DataFrame({c: _num(ok, c) for c in cols}, index=ok.index)
+    parts = pd.DataFrame({c: num(ok, c) for c in cols}, index=ok.index)
     keep = parts.notna().any(axis=1)  # a run with no breakdown at all is skipped, a missing part is 0
     ok, parts = ok[keep], parts[keep].fillna(0.0)
     if ok.empty:
         return None
-    names = [_label(r, labels) for _, r in ok.iterrows()]
+    names = [run_label(r, labels) for _, r in ok.iterrows()]
     fig, ax = plt.subplots(figsize=(8, max(2.5, 0.45 * len(ok) + 1.5)))
     rows, left = np.arange(len(ok)), np.zeros(len(ok))
     for (_, text), col, colour in zip(COMPONENTS, cols, plt.cm.tab10.colors):
@@ -186,25 +132,10 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | No
     ax.invert_yaxis()  # first run on top, like the table
     ax.set_xlim(0, left.max() * 1.15 if left.max() > 0 else 1)
     ax.set_xlabel("memory at peak (MiB)")
-    ax.set_title(f"{title}{_device(df)}")
+    ax.set_title(f"{title}{on_device(df)}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a bar
     ax.grid(axis="x", alpha=0.3)
-    return _save(fig, out, "breakdown.png")
-
-
-def _text(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
-    """`cols` as text to group by, "" for an option key the run's option lacks: pandas 3's
-    astype(str) keeps nulls, and a groupby drops null keys, which dropped those runs from plots."""
-    return df[cols].fillna("").astype(str)
-
-
-def _series(df: pd.DataFrame, others: list[str]):
-    """(legend text, rows) per combination of the other label columns."""
-    if not others:
-        yield "all runs", df
-        return
-    for key, part in _text(df, others).groupby(others, sort=True):  # keys are tuples when grouping by a list
-        yield " / ".join(k for k in key if k), df.loc[part.index]
+    return save(fig, out, "breakdown.png")
 
 
 def _mark_oom(ax, sizes, y: float, text: bool) -> None:
@@ -221,12 +152,12 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     that ran nothing (predict_only) gets its predicted peaks alone, with the OOMs it predicted."""
     if df.empty or "batch_size" not in df:
         return None
-    df = df.assign(**{c: _num(df, c) for c in ("batch_size", MEMORY, "tflops", "predicted_peak_mib")})
+    df = df.assign(**{c: num(df, c) for c in ("batch_size", MEMORY, "tflops", "predicted_peak_mib")})
     df = df[np.isfinite(df["batch_size"])]
-    ok, memory = df[_status(df, "ok") & (np.isfinite(df[MEMORY]) | np.isfinite(df["tflops"]))], MEMORY
+    ok, memory = df[is_status(df, "ok") & (np.isfinite(df[MEMORY]) | np.isfinite(df["tflops"]))], MEMORY
     plan = ok.empty
     if plan:  # never measured and predicted in one figure (as in breakdown): the plan's own numbers
-        ok, memory = df[_status(df, "predicted") & np.isfinite(df["predicted_peak_mib"])], "predicted_peak_mib"
+        ok, memory = df[is_status(df, "predicted") & np.isfinite(df["predicted_peak_mib"])], "predicted_peak_mib"
     if df["batch_size"].nunique() < 2 or ok.empty:
         return None
     others = [c for c in labels if c in df and c != "batch_size"]
@@ -234,12 +165,12 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
                              squeeze=False)
     mem, tfl = axes[0][0], (None if plan else axes[0][1])
     panels = [(mem, memory)] + ([] if plan else [(tfl, "tflops")])
-    for (name, rows), colour in zip(_series(ok, others), plt.cm.tab10.colors * 10):
+    for (name, rows), colour in zip(series(ok, others), plt.cm.tab10.colors * 10):
         rows = rows.sort_values("batch_size")
         for ax, col in panels:
             r = rows[np.isfinite(rows[col])]
             ax.plot(r["batch_size"], r[col], "o--" if plan else "o-", color=colour, label=name)
-    oom = sorted(df.loc[_status(df, "oom"), "batch_size"].unique())
+    oom = sorted(df.loc[is_status(df, "oom"), "batch_size"].unique())
     known = card(df)
     line = None
     if known and known[0] <= 2 * ok[memory].max():  # a far bigger card would squash the lines flat
@@ -249,7 +180,7 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     sizes = sorted(df["batch_size"].unique())
     if sizes[0] > 0:
         mem.set_xscale("log", base=2)  # batch sizes are usually doublings
-    mem.set_xticks(sizes, [_fmt(s) for s in sizes])
+    mem.set_xticks(sizes, [fmt(s) for s in sizes])
     mem.minorticks_off()
     predicted = "predicted " if plan else ""
     mem.set(xlabel="batch size (samples per step)", ylabel=f"{predicted}peak allocated memory (MiB)",
@@ -269,8 +200,8 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
         tfl.grid(alpha=0.3)
         if tfl.get_legend_handles_labels()[0]:  # no TFLOP/s line (CPU runs without them): no empty legend
             tfl.legend(title=" / ".join(others) or None, fontsize=8)
-    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{_device(df)}")
-    return _save(fig, out, "batch_scan.png")
+    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{on_device(df)}")
+    return save(fig, out, "batch_scan.png")
 
 
 def _curve(value) -> list[float] | None:
@@ -284,12 +215,12 @@ def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     """The largest set (>= 2) of ok runs with curves that differ only in precision/optimizer; may be empty."""
     if df.empty or "losses" not in df:
         return df.iloc[0:0]
-    runs = df[_status(df, "ok") & df["losses"].map(lambda v: _curve(v) is not None)]
+    runs = df[is_status(df, "ok") & df["losses"].map(lambda v: _curve(v) is not None)]
     keys = [c for c in labels if c in runs and c.split(".")[0] not in LOSS_VARIANTS]  # optimizer.lr is the optimizer's
     if not keys:
         return runs if len(runs) >= 2 else runs.iloc[0:0]
     # ties go to the group met first in the data (the sweep's order)
-    groups = [part.index for _, part in _text(runs, keys).groupby(keys, sort=False)]
+    groups = [part.index for _, part in as_text(runs, keys).groupby(keys, sort=False)]
     best = max(groups, key=len, default=[])
     return runs.loc[best] if len(best) >= 2 else runs.iloc[0:0]
 
@@ -304,15 +235,15 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for _, row in group.iterrows():
         y = _curve(row["losses"])
-        ax.plot(np.arange(1, len(y) + 1), y, lw=1.2, label=_label(row, named))
+        ax.plot(np.arange(1, len(y) + 1), y, lw=1.2, label=run_label(row, named))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (cross-entropy, nats)")
-    where = ", ".join(f"{c}={_fmt(group[c].iloc[0])}" for c in fixed)
-    ax.set_title(f"Training loss{_device(df)}" + (f" ({where})" if where else ""))
+    where = ", ".join(f"{c}={fmt(group[c].iloc[0])}" for c in fixed)
+    ax.set_title(f"Training loss{on_device(df)}" + (f" ({where})" if where else ""))
     ax.legend(title=" / ".join(named) or None, fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, out, "loss_curves.png")
+    return save(fig, out, "loss_curves.png")
 
 
 def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path]:

@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from ablate.results import PRUNED
+from ablate.results import predicted_oom
 from ablate.schema import GROUPS
 from analysis.compare import BASELINE, do_nothing, set_away_from_default
 
@@ -69,7 +69,7 @@ def failed(row: pd.Series) -> str:
     predicted = row.get("predicted_peak_mib")
     if row["status"] == "predicted" and pd.notna(predicted):
         return f"~{predicted:,.0f} (predicted)"
-    if row["status"] == "oom" and str(row.get("reason") or "").startswith(PRUNED) and pd.notna(predicted):
+    if predicted_oom(row) and pd.notna(predicted):
         return f"OOM (predicted ~{predicted:,.0f})"
     return "OOM" if row["status"] == "oom" else row["status"]
 

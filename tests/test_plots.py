@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import plots
+from analysis import figure, plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NAN = float("nan")
@@ -132,13 +132,13 @@ def test_a_plan_that_ran_nothing_gets_its_predicted_batch_scan(runs, tmp_path):
 
 
 def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_several(runs):
-    assert plots.card(runs) is None  # CPU runs: no card
+    assert figure.card(runs) is None  # CPU runs: no card
     h100 = runs.assign(env_gpu_total_mib=81559.0)
-    assert plots.card(h100) == (81559.0, "GPU memory (81,559 MiB)")
+    assert figure.card(h100) == (81559.0, "GPU memory (81,559 MiB)")
     # a plan has no worker to report env: gpu_memory_gib alone names the card
-    assert plots.card(runs.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
-    assert plots.card(h100.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
-    assert plots.card(h100.assign(gpu_memory_gib=[16.0, 24.0] * 3)) is None  # two cards: no one line
+    assert figure.card(runs.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
+    assert figure.card(h100.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
+    assert figure.card(h100.assign(gpu_memory_gib=[16.0, 24.0] * 3)) is None  # two cards: no one line
     # the pareto plot's OOM line on an emulated card sits at that card, not at the whole H100
     assert plots._capacity(h100.assign(gpu_memory_gib=0.5), runs["peak_allocated_mib"]) == 512.0
 
@@ -202,7 +202,7 @@ def test_runs_whose_option_lacks_a_labelled_key_stay_in_the_plots(runs):
     df = runs.assign(**{"optimizer.momentum": [None if o == "adamw" else "0.9" for o in runs["optimizer"]],
                         "checkpoint.types": [None] * 4 + ["gelu", None]})  # sgd at 16 recomputes GELUs
     ok = df[df["status"] == "ok"]
-    series = dict(plots._series(ok, ["optimizer", "optimizer.momentum"]))
+    series = dict(figure.series(ok, ["optimizer", "optimizer.momentum"]))
     assert sorted(series) == ["adamw", "sgd / 0.9"] and len(series["adamw"]) == 2
     # an optimizer's own key belongs to the optimizer: runs differing in both still share a plot
     group = plots.loss_group(df, ["optimizer", "optimizer.momentum", "checkpoint.types", "batch_size"])

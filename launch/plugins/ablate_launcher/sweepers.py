@@ -93,7 +93,7 @@ class LadderSweeper(BasicSweeper):
             return super().sweep(arguments)
         assert self.hydra_context is not None and self.config is not None and self.launcher is not None
         from ablate.job import record_unlaunched
-        from ablate.results import NOT_RUN, PRUNED
+        from ablate.results import NOT_RUN, predicted_oom
 
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         groups = self.ladder(parser.parse_overrides([*self._parse_config(), *arguments]))
@@ -115,7 +115,6 @@ class LadderSweeper(BasicSweeper):
                 # a FAILED job's return_value raises its exception: it did not run out of memory
                 result = (ret.return_value or {}) if ret.status == JobStatus.COMPLETED else {}
                 if result.get("status") == "oom":
-                    pruned = str(result.get("reason") or "").startswith(PRUNED)  # or a plan's (predict_only)
                     cause = " ".join(o for o in job if any(o not in other for other in group)) + (
-                        " was predicted to run out of memory" if pruned else " ran out of memory")
+                        " was predicted to run out of memory" if predicted_oom(result) else " ran out of memory")
         return [returns]
