@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ablate import results
 from analysis import figure, plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -158,6 +159,24 @@ def test_the_batch_scan_draws_the_card_it_was_judged_against(runs, tmp_path, mon
     assert len(lines) == 1
     plots.batch_scan(runs.assign(env_gpu_total_mib=900.0), LABELS, tmp_path / "small")  # peaks up to 492
     assert lines[1:] == [(900.0, "GPU memory (900 MiB)")]
+
+
+def test_the_batch_scan_marks_a_size_that_never_ran_apart_from_an_oom(runs, tmp_path, monkeypatch):
+    """A ladder skips the sizes above one that ran out of memory ("not run"): they get their own
+    mark and word, not the red OOM x, and an OOM of any series at a size wins that size's mark."""
+    words, text = [], plots.plt.Axes.text
+    monkeypatch.setattr(plots.plt.Axes, "text", lambda ax, x, y, s, **k: words.append((x, s, k.get("color")))
+                        or text(ax, x, y, s, **k))
+    titles, set_title = [], plots.plt.Axes.set_title
+    monkeypatch.setattr(plots.plt.Axes, "set_title", lambda ax, t, *a, **k: titles.append(t) or set_title(ax, t, *a, **k))
+    skipped = [_run(o, 64, "oom") | {"reason": f"{results.NOT_RUN} an OOM at batch_size=32 before it"}
+               for o in ("adamw", "sgd")]
+    also_oom = _run("sgd", 32, "oom") | {"reason": f"{results.NOT_RUN} ..."}  # adamw 32 really ran out
+    path = plots.batch_scan(pd.concat([runs, pd.DataFrame(skipped + [also_oom])], ignore_index=True),
+                            LABELS, tmp_path)
+    _assert_real_png(path, "batch_scan.png")
+    assert sorted(w for w in words if w[1] in ("OOM", "not run")) == [(32, "OOM", "red"), (64, "not run", "0.5")]
+    assert titles == ["Peak memory (x = OOM, o = not run)", "Throughput (x on axis = OOM, o on axis = not run)"]
 
 
 def test_odd_data_is_drawn_without_raising(runs, tmp_path):
