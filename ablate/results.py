@@ -91,9 +91,15 @@ def predicted_oom(result) -> bool:
     return result.get("status") == "oom" and str(result.get("reason") or "").startswith(PRUNED)
 
 
+def not_run(result) -> bool:
+    """An oom a ladder recorded without running it, because a smaller point ran out of memory first
+    (hydra.sweeper.stop_after_oom): nothing was measured, not even an OOM. Dict or report row."""
+    return result.get("status") == "oom" and str(result.get("reason") or "").startswith(NOT_RUN)
+
+
 def is_terminal(result: dict) -> bool:
     """A measured outcome that a rerun would repeat (not a prediction, not a transient failure)."""
-    return result.get("status") in TERMINAL and not str(result.get("reason") or "").startswith((PRUNED, NOT_RUN))
+    return result.get("status") in TERMINAL and not predicted_oom(result) and not not_run(result)
 
 
 class Index:

@@ -14,6 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ablate.results import not_run  # noqa: E402
+
 DPI = 150
 
 
@@ -26,6 +28,11 @@ def num(df: pd.DataFrame, col: str) -> pd.Series:
 
 def is_status(df: pd.DataFrame, status: str) -> pd.Series:
     return df["status"] == status if "status" in df else pd.Series(False, index=df.index)
+
+
+def skipped(df: pd.DataFrame) -> pd.Series:
+    """The oom rows a ladder recorded without running them (results.not_run): no OOM was seen."""
+    return pd.Series([not_run(row) for _, row in df.iterrows()], index=df.index, dtype=bool)
 
 
 def fmt(value) -> str:

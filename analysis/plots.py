@@ -13,9 +13,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from ablate.results import NOT_RUN
 from analysis.compare import varies
-from analysis.figure import as_text, card, fmt, is_status, num, on_device, plt, run_label, save, series
+from analysis.figure import as_text, card, fmt, is_status, num, on_device, plt, run_label, save, series, skipped
 
 MEMORY = "peak_allocated_mib"
 # (breakdown component, legend text), stacked in this order: what the model owns, then what training adds.
@@ -39,7 +38,7 @@ def _capacity(df: pd.DataFrame, peaks: pd.Series) -> float:
 
 
 def _pareto_oom(ax, df: pd.DataFrame, ok: pd.DataFrame, labels: list[str]) -> None:
-    oom = df[is_status(df, "oom")]
+    oom = df[is_status(df, "oom") & ~skipped(df)]  # a point a ladder never ran is no OOM
     if oom.empty:
         return
     cap, y = _capacity(df, ok[MEMORY]), float(ok["iter_time_ms"].median())
@@ -139,21 +138,21 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | No
     return save(fig, out, "breakdown.png")
 
 
-def _mark_oom(ax, sizes, y: float, text: bool, skipped=()) -> None:
+def _mark_oom(ax, sizes, unrun, y: float, text: bool) -> None:
     """Red x per OOM batch size at height y in axes coordinates (0 = x-axis, 1 = top); a grey hollow
     circle per size that never ran because a smaller one ran out of memory (a ladder's "not run")."""
     tr = ax.get_xaxis_transform()  # x in data, y in axes fraction
     marks = [(b, dict(marker="x", color="red", mew=2), "OOM") for b in sizes]
-    marks += [(b, dict(marker="o", color="0.5", mfc="none", mew=1.5), "not run") for b in skipped]
+    marks += [(b, dict(marker="o", color="0.5", mfc="none", mew=1.5), "not run") for b in unrun]
     for b, style, word in marks:
         ax.plot([b], [y], ms=9, transform=tr, clip_on=False, zorder=5, **style)
         if text:
             ax.text(b, y - 0.05, word, color=style["color"], ha="center", va="top", fontsize=8, transform=tr)
 
 
-def _oom_key(oom, skipped, word: str, where: str = "") -> str:
+def _oom_key(oom, unrun, word: str, where: str = "") -> str:
     """The title's key to the marks: ' (x = OOM, o = not run)', or '' with none drawn."""
-    keys = ([f"x{where} = {word}"] if oom else []) + ([f"o{where} = not run"] if skipped else [])
+    keys = ([f"x{where} = {word}"] if oom else []) + ([f"o{where} = not run"] if unrun else [])
     return f" ({', '.join(keys)})" if keys else ""
 
 
@@ -180,16 +179,15 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
         for ax, col in panels:
             r = rows[np.isfinite(rows[col])]
             ax.plot(r["batch_size"], r[col], "o--" if plan else "o-", color=colour, label=name)
-    failed = df[is_status(df, "oom")]
-    not_run = failed.get("reason", pd.Series(None, index=failed.index)).astype(str).str.startswith(NOT_RUN)
-    oom = sorted(failed.loc[~not_run, "batch_size"].unique())
-    skipped = sorted(set(failed.loc[not_run, "batch_size"]) - set(oom))  # an OOM anywhere wins the mark
+    never = skipped(df)
+    oom = sorted(df.loc[is_status(df, "oom") & ~never, "batch_size"].unique())
+    unrun = sorted(set(df.loc[never, "batch_size"]) - set(oom))  # an OOM of any series wins the size's mark
     known = card(df)
     line = None
     if known and known[0] <= 2 * ok[memory].max():  # a far bigger card would squash the lines flat
         line = mem.axhline(known[0], color="red", ls=":", lw=1, label=known[1])
     mem.set_ylim(0, mem.get_ylim()[1] * 1.15)  # headroom for the OOM marks at the top
-    _mark_oom(mem, oom, 1.0, text=True, skipped=skipped)
+    _mark_oom(mem, oom, unrun, 1.0, text=True)
     sizes = sorted(df["batch_size"].unique())
     if sizes[0] > 0:
         mem.set_xscale("log", base=2)  # batch sizes are usually doublings
@@ -197,7 +195,7 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     mem.minorticks_off()
     predicted = "predicted " if plan else ""
     mem.set(xlabel="batch size (samples per step)", ylabel=f"{predicted}peak allocated memory (MiB)",
-            title=f"{predicted}peak memory".capitalize() + _oom_key(oom, skipped, f"{predicted}OOM"))
+            title=f"{predicted}peak memory".capitalize() + _oom_key(oom, unrun, f"{predicted}OOM"))
     mem.grid(alpha=0.3)
     if plan and (others or line):
         mem.legend(title=" / ".join(others) or None, fontsize=8)
@@ -207,9 +205,9 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
         tfl.set_ylim(bottom=0)
         if not np.isfinite(ok["tflops"]).any():
             tfl.text(0.5, 0.5, "no TFLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
-        _mark_oom(tfl, oom, 0.0, text=False, skipped=skipped)
+        _mark_oom(tfl, oom, unrun, 0.0, text=False)
         tfl.set(xlabel="batch size (samples per step)", ylabel="TFLOP/s (model FLOPs per device)",
-                title="Throughput" + _oom_key(oom, skipped, "OOM", " on axis"))
+                title="Throughput" + _oom_key(oom, unrun, "OOM", " on axis"))
         tfl.grid(alpha=0.3)
         if tfl.get_legend_handles_labels()[0]:  # no TFLOP/s line (CPU runs without them): no empty legend
             tfl.legend(title=" / ".join(others) or None, fontsize=8)

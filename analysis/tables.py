@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from ablate.results import predicted_oom
+from ablate.results import not_run, predicted_oom
 from ablate.schema import GROUPS
 from analysis.compare import BASELINE, do_nothing, set_away_from_default
 
@@ -71,6 +71,8 @@ def failed(row: pd.Series) -> str:
         return f"~{predicted:,.0f} (predicted)"
     if predicted_oom(row) and pd.notna(predicted):
         return f"OOM (predicted ~{predicted:,.0f})"
+    if not_run(row):  # a ladder stopped before it: it never ran out of anything either
+        return "not run"
     return "OOM" if row["status"] == "oom" else row["status"]
 
 

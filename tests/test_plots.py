@@ -161,9 +161,10 @@ def test_the_batch_scan_draws_the_card_it_was_judged_against(runs, tmp_path, mon
     assert lines[1:] == [(900.0, "GPU memory (900 MiB)")]
 
 
-def test_the_batch_scan_marks_a_size_that_never_ran_apart_from_an_oom(runs, tmp_path, monkeypatch):
-    """A ladder skips the sizes above one that ran out of memory ("not run"): they get their own
-    mark and word, not the red OOM x, and an OOM of any series at a size wins that size's mark."""
+def test_a_size_that_never_ran_is_not_drawn_as_an_oom(runs, tmp_path, monkeypatch):
+    """A ladder skips the sizes above one that ran out of memory ("not run"): the batch scan gives
+    them their own mark and word, not the red OOM x (an OOM of any series at a size wins that size's
+    mark), and the pareto plot does not list them among its OOMs."""
     words, text = [], plots.plt.Axes.text
     monkeypatch.setattr(plots.plt.Axes, "text", lambda ax, x, y, s, **k: words.append((x, s, k.get("color")))
                         or text(ax, x, y, s, **k))
@@ -172,11 +173,14 @@ def test_the_batch_scan_marks_a_size_that_never_ran_apart_from_an_oom(runs, tmp_
     skipped = [_run(o, 64, "oom") | {"reason": f"{results.NOT_RUN} an OOM at batch_size=32 before it"}
                for o in ("adamw", "sgd")]
     also_oom = _run("sgd", 32, "oom") | {"reason": f"{results.NOT_RUN} ..."}  # adamw 32 really ran out
-    path = plots.batch_scan(pd.concat([runs, pd.DataFrame(skipped + [also_oom])], ignore_index=True),
-                            LABELS, tmp_path)
-    _assert_real_png(path, "batch_scan.png")
+    scan = pd.concat([runs, pd.DataFrame(skipped + [also_oom])], ignore_index=True)
+    _assert_real_png(plots.batch_scan(scan, LABELS, tmp_path), "batch_scan.png")
     assert sorted(w for w in words if w[1] in ("OOM", "not run")) == [(32, "OOM", "red"), (64, "not run", "0.5")]
     assert titles == ["Peak memory (x = OOM, o = not run)", "Throughput (x on axis = OOM, o on axis = not run)"]
+    notes, annotate = [], plots.plt.Axes.annotate
+    monkeypatch.setattr(plots.plt.Axes, "annotate", lambda ax, t, *a, **k: notes.append(t) or annotate(ax, t, *a, **k))
+    plots.pareto(scan, LABELS, tmp_path)
+    assert [t for t in notes if t.startswith("OOM")] == ["OOM:\nadamw / 32"]  # the pareto lists only what ran out
 
 
 def test_odd_data_is_drawn_without_raising(runs, tmp_path):

@@ -102,6 +102,7 @@ def test_a_plans_batch_table_shows_predicted_peaks_and_the_oom_it_predicted(tmp_
     assert t.values.tolist() == [["1", "~2,660 (predicted)"], ["8", "~10,862 (predicted)"],
                                  ["16", "OOM (predicted ~20,236)"]]
     assert list(t.columns) == ["Batch Size", "Memory (MiB)"]
+    assert tables.failed(df[df["batch_size"] == 32].iloc[0]) == "not run"  # as the ladder and full tables show it
     measured_oom = df.iloc[0].copy()
     measured_oom[["status", "reason"]] = ["oom", "CUDA out of memory"]  # has a prediction, but ran and failed
     assert tables.failed(measured_oom) == "OOM"
