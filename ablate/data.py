@@ -1,6 +1,6 @@
 """Token sources: `synthetic` (a seeded Markov chain), `tokens` (nanoGPT .bin files), `chars` (text).
 
-Each option's `load(seq_len)` returns a TokenData: deterministic (B, T) batches for any step and
+Each option's `load(seq_len, model_vocab)` returns a TokenData: deterministic (B, T) batches for any step and
 rank, and a fixed held-out split for eval_loss.
 """
 from __future__ import annotations
@@ -102,16 +102,19 @@ class Synthetic:
     chain reaches `loss_floor`: the exact mean entropy of the targets given everything before them.
     """
 
-    def __init__(self, vocab_size: int = 512, order: int = 1, branching: int = 8,
+    def __init__(self, vocab_size: int | None = 512, order: int = 1, branching: int = 8,
                  train_samples: int = 10240, eval_samples: int = 256, seed: int = 1234):
-        if branching > vocab_size:
+        if vocab_size is not None and branching > vocab_size:
             raise Invalid(f"data.branching={branching} > data.vocab_size={vocab_size}")
         self.vocab_size, self.order, self.branching = vocab_size, order, branching
         self.train_samples, self.eval_samples, self.seed = train_samples, eval_samples, seed
 
-    def load(self, seq_len: int) -> TokenData:
+    def load(self, seq_len: int, model_vocab: int | None = None) -> TokenData:
+        """vocab_size=None draws from the whole of the model's vocabulary (`model_vocab`)."""
         rng = np.random.default_rng(self.seed)
-        V, k = self.vocab_size, self.branching
+        V, k = self.vocab_size or model_vocab, self.branching
+        if V is None or k > V:
+            raise Invalid(f"data.branching={k} > the {V} tokens data.vocab_size=null takes from the model")
         # Context s allows tokens (a_s + j * c_s) mod V, j < k: distinct because j * c_s < V.
         a = rng.integers(0, V, V)
         c = rng.integers(1, max(2, V // k), V)
@@ -120,15 +123,15 @@ class Synthetic:
         self._cdf = np.cumsum(probs, axis=1)
         self._entropy = -(probs * np.log(np.maximum(probs, 1e-30))).sum(1)  # (V,) nats
         self._mult = rng.integers(1, 2**31 - 1, self.order) | 1  # context hash multipliers
-        train, h_train = self._sample(rng, self.train_samples, seq_len)
-        held_out, h_eval = self._sample(rng, self.eval_samples, seq_len)
+        train, h_train = self._sample(rng, V, self.train_samples, seq_len)
+        held_out, h_eval = self._sample(rng, V, self.eval_samples, seq_len)
         data = _Table(train, held_out, V, self.seed)
         data.loss_floor = h_eval
         return data
 
-    def _sample(self, rng: np.random.Generator, n: int, seq_len: int) -> tuple[np.ndarray, float]:
-        """n rows of seq_len + 1 tokens, and the mean target entropy (nats) of those rows."""
-        V, K = self.vocab_size, self.order
+    def _sample(self, rng: np.random.Generator, V: int, n: int, seq_len: int) -> tuple[np.ndarray, float]:
+        """n rows of seq_len + 1 tokens of a V-token vocabulary, and the mean target entropy (nats)."""
+        K = self.order
         rows = np.empty((n, seq_len + 1), dtype=np.int32)
         rows[:, :K] = rng.integers(0, V, (n, min(K, seq_len + 1)))  # uniform start tokens
         entropy = (min(K, seq_len + 1) - 1) * math.log(V) * n  # targets among the start tokens
@@ -149,13 +152,20 @@ class Tokens:
     def __init__(self, path: str, vocab_size: int = 50257, eval_samples: int = 256, seed: int = 1234):
         self.path, self.vocab_size, self.eval_samples, self.seed = Path(path), vocab_size, eval_samples, seed
 
-    def load(self, seq_len: int) -> TokenData:
+    def load(self, seq_len: int, model_vocab: int | None = None) -> TokenData:
+        """Checks every token id against data.vocab_size and the model's vocabulary (one pass over
+        the files: an id the model cannot embed would fail mid-run as an index error)."""
         split = {}
         for name in ("train", "val"):
             f = self.path / f"{name}.bin"
             if not f.exists():
                 raise FileNotFoundError(f"data.path={self.path}: missing {f.name}")
             split[name] = np.memmap(f, dtype=np.uint16, mode="r")
+            top = int(split[name].max()) if len(split[name]) else -1
+            for limit, what in ((self.vocab_size, "data.vocab_size"), (model_vocab, "the model's vocabulary")):
+                if limit is not None and top >= limit:
+                    raise Invalid(f"data.path={self.path}: {f.name} holds token id {top}, outside {what} "
+                                  f"of {limit} tokens")
         return _Stream(split["train"], split["val"], self.vocab_size, seq_len, self.eval_samples, self.seed)
 
 
@@ -165,7 +175,7 @@ class Chars:
     def __init__(self, path: str, eval_samples: int = 256, seed: int = 1234):
         self.path, self.eval_samples, self.seed = Path(path), eval_samples, seed
 
-    def load(self, seq_len: int) -> TokenData:
+    def load(self, seq_len: int, model_vocab: int | None = None) -> TokenData:
         text = self.path.read_text(encoding="utf-8")
         chars = sorted(set(text))
         lookup = {ch: i for i, ch in enumerate(chars)}

@@ -1,7 +1,8 @@
 """A plain GPT-2 (after nanoGPT's model.py). It knows nothing about memory techniques: they wrap it.
 
 Names follow GPT-2 (`transformer.wte`, `transformer.h[i].attn.c_attn`, ...) so Hugging Face
-checkpoints map onto it one to one (see ablate/hf.py) and techniques can find blocks by name.
+checkpoints map onto it one to one (see ablate/models/gpt.py); techniques find its blocks through
+that family's adapter.
 """
 from __future__ import annotations
 

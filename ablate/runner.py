@@ -11,12 +11,11 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from ablate import measure
-from ablate.build import Techniques, build_model, build_optimizer, check_config, gpt_config, pick_device
+from ablate.build import Techniques, build_model, build_optimizer, check_config, pick_device
 from ablate.capacity import MemoryLimit
 from ablate.data import TokenData
 from ablate.events import EventWriter
 from ablate.hardware import flops_per_token, peak_tflops
-from ablate.model import GPT, on_meta
 from ablate.techniques import Invalid
 from ablate.train import evaluate, train_step
 
@@ -37,10 +36,11 @@ class Trained:
     skipped_steps: int | None = None  # optimizer steps the GradScaler skipped (inf/nan gradients)
 
 
-def load_data(cfg: dict) -> TokenData:
-    data = instantiate(cfg["data"]).load(cfg["seq_len"])
-    if data.vocab_size > cfg["model"]["vocab_size"]:
-        raise Invalid(f"the data has {data.vocab_size} token ids > model.vocab_size={cfg['model']['vocab_size']}")
+def load_data(cfg: dict, t: Techniques) -> TokenData:
+    vocab = t.model.vocab_size
+    data = instantiate(cfg["data"]).load(cfg["seq_len"], vocab)
+    if data.vocab_size > vocab:
+        raise Invalid(f"the data has {data.vocab_size} token ids > the model's vocabulary of {vocab} tokens")
     return data
 
 
@@ -69,7 +69,7 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     mem = measure.DeviceMemory(device)
     events.emit("phase", phase="init")
     mem.reset()
-    model = build_model(cfg["model"], t, device, compile=cfg["compile"])
+    model = build_model(t, device, compile=cfg["compile"])
     optimizer = build_optimizer(model, t)
     init_peak = mem.peak_allocated_mib()
     scaler = t.precision.grad_scaler(device.type)
@@ -133,10 +133,9 @@ def metrics(cfg: dict, t: Techniques, run: Trained, ranks: list[dict], eval_loss
     B, world, T = cfg["batch_size"], t.parallel.world_size, cfg["seq_len"]
     seconds = max(sum(r["times_ms"]) for r in ranks) / 1e3  # the slowest rank sets the pace
     tokens = run.steps * B * world * T
-    mc = gpt_config(cfg["model"])
-    with on_meta():  # parameter count without touching the (possibly sharded) model
-        n = GPT(mc).num_params(non_embedding=True)
-    tflops = flops_per_token(n, mc.n_layer, mc.n_embd, T) * tokens / seconds / world / 1e12 if seconds else None
+    # Counted on the meta device, not on the (possibly sharded) model.
+    tflops = flops_per_token(t.model.flops_params(), *t.model.dims(), T) * tokens / seconds / world / 1e12 \
+        if seconds else None
     peak = peak_tflops(gpu_name, t.precision.compute_dtype, cfg.get("peak_tflops"))
     mfu = tflops / peak if peak and tflops is not None else None
     tail = run.losses[-max(1, run.steps // 10):]  # loss_final: mean of the last 10% of steps
@@ -174,7 +173,7 @@ def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict
     device = t.parallel.setup(device)
     limit = MemoryLimit(cfg.get("gpu_memory_gib"), device)  # an emulated smaller GPU, if asked for
     limit.apply()
-    data = load_data(cfg)
+    data = load_data(cfg, t)
     torch.manual_seed(cfg["seed"])
     t.precision.setup()
     model, trained = train(cfg, t, data, device, events, before_first_step)

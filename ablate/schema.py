@@ -1,7 +1,7 @@
 """The typed run configuration. Hydra merges conf/ into it, so a misspelt key or a wrongly typed
 value fails when the config is composed, before anything runs.
 
-Group options (data, optimizer, precision, ...) are `_target_` nodes whose keys are exactly their
+Group options (model, data, optimizer, precision, ...) are `_target_` nodes whose keys are exactly their
 class's __init__ arguments (ablate/techniques/); instantiating them checks those keys.
 """
 from __future__ import annotations
@@ -37,21 +37,8 @@ class Predict(str, Enum):
 
 
 @dataclass
-class ModelConf:
-    name: str = MISSING
-    n_layer: int = MISSING
-    n_head: int = MISSING
-    n_embd: int = MISSING
-    vocab_size: int = 50257
-    block_size: int = 1024
-    dropout: float = 0.0
-    bias: bool = True
-    init_from: Optional[str] = None  # local Hugging Face GPT-2 directory (safetensors); no hub access
-
-
-@dataclass
 class Config:
-    model: ModelConf = MISSING
+    model: Any = MISSING  # a family (ablate/models/): its keys are its class's, like every group's
     data: Any = MISSING
     optimizer: Any = MISSING
     precision: Any = MISSING
@@ -135,7 +122,7 @@ def unknown_key(argv: list[str]) -> str | None:
         head, _, rest = o.key_or_group.replace("/", ".").partition(".")
         if head in GROUPS and rest:
             prefix, key = head + ".", rest.split(".")[0]
-            valid = [f.name for f in fields(ModelConf)] if head == "model" else _option_keys(head)
+            valid = _option_keys(head)
         else:
             prefix, key, valid = "", head, [f.name for f in fields(Config)] + ["experiment", "hydra"]
         if key not in valid:

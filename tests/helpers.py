@@ -59,7 +59,7 @@ def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, s
     torch.manual_seed(seed)
     t.precision.setup()
     device = torch.device(device)
-    model = build_model(cfg["model"], t, device)
+    model = build_model(t, device)
     optimizer = build_optimizer(model, t)
     scaler = t.precision.grad_scaler(device.type)
     losses = [train_step(model, optimizer, scaler, t, data.train_batch(k, batch_size), device).item()

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ablate.build import check_config
 from ablate.measure import traced_step
 from ablate.model import GPT, GPTConfig
+from ablate.models.gpt import ADAPTER as GPT_ADAPTER
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.checkpoint import Layers
 from helpers import compose_config, train_nano
@@ -34,7 +35,7 @@ def option(name: str, *overrides: str):
 
 def applied(name: str, n_layer: int = 3):
     opt = option(name)
-    return opt.apply(nano(n_layer)), opt
+    return opt.apply(nano(n_layer), GPT_ADAPTER), opt
 
 
 def batch(k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +123,7 @@ def test_apply_keeps_the_parameters_and_the_tie(name):
     model = nano()
     before = [id(p) for p in model.parameters()]
     count = model.num_params()
-    model = option(name).apply(model)
+    model = option(name).apply(model, GPT_ADAPTER)
     assert [id(p) for p in model.parameters()] == before  # same objects, same order
     assert model.num_params() == count
     assert model.lm_head.weight is model.transformer.wte.weight
@@ -150,7 +151,7 @@ def test_unknown_layer_type_names_the_valid_choices():
     with pytest.raises(Invalid, match=msg):
         check_config(compose_config(["checkpoint=layers", "checkpoint.types=[linear,conv]"]), "cpu")
     with pytest.raises(Invalid, match=msg):
-        Layers(types=["conv"]).apply(nano())
+        Layers(types=["conv"]).apply(nano(), GPT_ADAPTER)
 
 
 @pytest.mark.parametrize("name,overrides,reason", [

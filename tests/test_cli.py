@@ -7,9 +7,9 @@ import sys
 import time
 
 import pytest
+from hydra.utils import instantiate
 
-from ablate.build import check_config, gpt_config
-from ablate.model import GPT
+from ablate.build import check_config
 from helpers import ROOT, compose_config, results_under, run_cli
 
 # The result contract as ../shared/DESIGN.md writes it; results.py must produce exactly these keys
@@ -99,7 +99,7 @@ def test_defaults_run_in_under_a_minute_with_an_exact_params_breakdown(tmp_path)
     assert result["status"] == "ok" and math.isfinite(m["loss_final"]) and m["tokens_per_s"] > 0
     error = 100 * (result["prediction"]["peak_mib"] / m["peak_allocated_mib"] - 1)
     assert f"(predicted {result['prediction']['peak_mib']:.1f}, {error:+.1f}%)" in proc.stdout  # its own check
-    n_params = GPT(gpt_config(compose_config()["model"])).num_params()
+    n_params = instantiate(compose_config()["model"]).num_params()
     assert m["breakdown_mib"]["params"] == pytest.approx(n_params * 4 / 2**20, rel=1e-9)  # fp32
 
 

@@ -65,7 +65,7 @@ def test_forward_shapes_and_initial_loss():
 def test_logits_match_huggingface_gpt2(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ablate.hf import load_weights, read_config
+    from ablate.models.gpt import load_weights, read_config
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=211, n_positions=48,
@@ -82,7 +82,7 @@ def test_logits_match_huggingface_gpt2(tmp_path):
 def test_init_from_rejects_a_mismatched_checkpoint(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ablate.hf import load_weights
+    from ablate.models.gpt import load_weights
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50, n_positions=16,
                                bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
@@ -98,7 +98,7 @@ def test_a_run_from_a_checkpoint_starts_at_the_checkpoints_loss(tmp_path):
     from hydra.utils import instantiate
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ablate.hf import load_weights, read_config
+    from ablate.models.gpt import load_weights, read_config
 
     cfg = compose_config(FAST)
     model = cfg["model"]

@@ -70,12 +70,11 @@ def test_init_on_device_allocates_in_the_target_dtype_and_keeps_the_tie(option):
 
 
 def test_fp16_scaler_skips_overflowing_steps_and_they_are_counted():
-    cfg = compose_config(["precision=fp16"])
+    cfg = compose_config(["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "precision=fp16"])
     t = check_config(cfg, "cpu")
     from ablate.build import build_model, build_optimizer
 
-    model = build_model(compose_config(["model=gpt-nano", "model.vocab_size=128", "precision=fp16"])["model"], t,
-                        torch.device("cpu"))
+    model = build_model(t, torch.device("cpu"))
     opt = build_optimizer(model, t)
     counter = StepCounter(opt)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)  # fp16 gradients overflow at this scale

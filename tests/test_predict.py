@@ -16,7 +16,7 @@ from tests.helpers import compose_config
 
 MIB = 2**20
 # gpt-nano with a small vocabulary, so that the blocks' activations are not drowned by the logits.
-NANO = ["model=gpt-nano", "model.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
+NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
 
 
 def measured(overrides: list[str]) -> measure.Trace:
@@ -25,7 +25,7 @@ def measured(overrides: list[str]) -> measure.Trace:
     t = check_config(cfg, "cpu")
     torch.manual_seed(0)
     cpu = torch.device("cpu")
-    model = build_model(cfg["model"], t, cpu)
+    model = build_model(t, cpu)
     optimizer = build_optimizer(model, t)
     scaler = t.precision.grad_scaler("cpu")
 
@@ -61,7 +61,7 @@ def test_analytic_matches_memtracker(optimizer, precision, checkpoint, accumulat
 # fake process group, which equals a real rank's traced step (tests/test_predict_trace.py), in a
 # second instead of a torchrun. An odd vocabulary makes FSDP pad wte's dim 0 to a multiple of the
 # world size, so rank 0's shards are a little more than 1/world.
-RANKS = ["model=gpt-nano", "model.vocab_size=131", "device=cpu", "batch_size=8", "seq_len=32"]
+RANKS = ["model=gpt-nano", "model.vocab_size=131", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
 
 
 @pytest.mark.parametrize("parallel, overrides", [

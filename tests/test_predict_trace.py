@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from hydra.utils import instantiate
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.fsdp._fully_shard import _fully_shard
@@ -14,8 +15,8 @@ from torch.optim import optimizer as torch_optim
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ablate import measure
-from ablate.build import build_model, build_optimizer, check_config, gpt_config
-from ablate.model import GPT, on_meta
+from ablate.build import build_model, build_optimizer, check_config
+from ablate.model import GPT
 from ablate.predict.trace import Untraceable, trace
 from ablate.train import train_step
 from tests.helpers import compose_config, results_under, run_cli
@@ -31,7 +32,7 @@ def real_step(cfg: dict) -> measure.Trace:
     t = check_config(cfg, "cpu")
     device = torch.device("cpu")
     torch.manual_seed(0)
-    model = build_model(cfg["model"], t, device)
+    model = build_model(t, device)
     optimizer = build_optimizer(model, t)
     scaler = t.precision.grad_scaler("cpu")
     B, T, V = cfg["batch_size"], cfg["seq_len"], cfg["model"]["vocab_size"]
@@ -46,8 +47,7 @@ def real_step(cfg: dict) -> measure.Trace:
 
 def meta_model(overrides: list[str]) -> GPT:
     """The config's model on the meta device: shapes only."""
-    with torch.device("meta"):
-        return GPT(gpt_config(compose_config(overrides)["model"]))
+    return instantiate(compose_config(overrides)["model"]).meta_model
 
 
 def n_params(overrides: list[str]) -> int:
@@ -146,8 +146,7 @@ def test_a_cuda_trace_allocates_nothing_and_counts_fp32_params_exactly():
     p = trace(compose_config(["model=gpt-nano", "batch_size=4", "seq_len=32", "device=cuda"]))
     # On CUDA MemTracker counts each tensor as the caching allocator stores it: rounded up to
     # 512-byte blocks (on an H100: 10,194,432 bytes for gpt-nano's 10,185,600).
-    with on_meta():
-        model = GPT(gpt_config(compose_config(["model=gpt-nano"])["model"]))
+    model = meta_model(["model=gpt-nano"])
     assert p.category_max_mib["params"] * 2**20 == sum(-(-q.numel() * 4 // 512) * 512 for q in model.parameters())
     assert torch.cuda.memory_allocated() == before
 
@@ -185,7 +184,7 @@ def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
             raise AssertionError("injected while the model is built")
 
     with monkeypatch.context() as m, pytest.raises(AssertionError, match="injected"):
-        m.setattr("ablate.build.GPT", BrokenGPT)
+        m.setattr("ablate.models.gpt.GPT", BrokenGPT)
         trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
     assert_same_state(before, global_state())
 

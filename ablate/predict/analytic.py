@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ablate.build import Techniques, gpt_config
-from ablate.model import GPT, on_meta
+from ablate.build import Techniques
 from ablate.predict import Prediction
+from ablate.predict.layers import Arch, arch_of, layer_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.techniques import checkpoint as ckpt
 from ablate.techniques import optimizer as opt
@@ -44,17 +44,35 @@ CUBLAS_WORKSPACES = 64 * MIB
 
 @dataclass
 class Shapes:
-    """One rank's micro-batch and the model's sizes. Element counts; `sbh` is one (B, T, C) tensor."""
+    """One rank's micro-batch and the model's sizes and names. Element counts; `sbh` is one
+    (B, T, hidden) tensor. Parameter names are the model's own; `layer_names[i]` are layer i's."""
 
     b: int  # micro-batch per rank
     s: int  # sequence length
-    h: int  # n_embd
-    heads: int
-    layers: int
-    vocab: int
-    param_numels: dict  # parameter name -> elements (the tied lm_head counted once, as wte)
+    arch: Arch  # the family's sizes (ablate/predict/layers.py)
+    param_numels: dict  # parameter name -> elements (a tied LM head counted once, as the embedding)
     param_shapes: dict  # parameter name -> shape
     groups: list  # the optimizer's parameter groups: parameter shapes in the order it steps them
+    layer_names: list  # per layer, its parameter names
+    embedding: str  # the token embedding's weight
+    lm_head: str | None  # the LM head's weight when untied, else None
+    linear_names: list  # layer 0's parameters inside its attention and MLP (what autocast casts)
+
+    @property
+    def h(self) -> int:
+        return self.arch.hidden
+
+    @property
+    def heads(self) -> int:
+        return self.arch.heads
+
+    @property
+    def layers(self) -> int:
+        return self.arch.layers
+
+    @property
+    def vocab(self) -> int:
+        return self.arch.vocab
 
     @property
     def sbh(self) -> int:
@@ -66,52 +84,23 @@ class Shapes:
 
 
 def _shapes(cfg: dict, t: Techniques) -> Shapes:
-    mc = gpt_config(cfg["model"])
-    with on_meta():  # shapes only: nothing is allocated
-        model = GPT(mc)
-    params = dict(model.named_parameters())
+    arch = arch_of(t.model)  # Unmodelled for a family without a layer model
+    model, a = t.model.meta_model, t.model.adapter  # shapes only: nothing is allocated
+    params = dict(model.named_parameters())  # a tied weight once, under its first name
+    layer_names: list[list[str]] = [[] for _ in range(arch.layers)]
+    prefix = a.layers + "."
+    for name in params:  # one pass: "<layers>.<i>.<rest>" -> layer i
+        if name.startswith(prefix):
+            layer_names[int(name[len(prefix):].split(".", 1)[0])].append(name)
+    inner = tuple(f"{prefix}0.{part}." for part in (a.attention, a.mlp))
     groups = [[tuple(p.shape) for p in g["params"]] for g in t.optimizer.param_groups(model)]
-    return Shapes(b=cfg["batch_size"] // t.accumulation.steps, s=cfg["seq_len"], h=mc.n_embd, heads=mc.n_head,
-                  layers=mc.n_layer, vocab=mc.vocab_size, param_numels={n: p.numel() for n, p in params.items()},
-                  param_shapes={n: tuple(p.shape) for n, p in params.items()}, groups=groups)
-
-
-def _block_saves(t: Techniques, index: int, sh: Shapes, r: int, c: int, ln: int) -> tuple[float, float]:
-    """(bytes block `index` keeps for backward beyond its input, bytes it keeps without recompute).
-    What it does not keep is made again in backward, just before the block's own backward.
-
-    r: bytes/element of the residual stream (the parameter dtype; fp32 under autocast).
-    c: bytes/element of the compute dtype (what Linear, SDPA and GELU produce).
-    ln: bytes/element a LayerNorm keeps of its input: the input itself (r), or, when CUDA autocast
-    runs LayerNorm in fp32 on a 16-bit stream (FSDP's mixed precision), a 4-byte copy of it.
-    Without recompute a block saves (in units of s·b·h): ln_1 out 1c, qkv 3c, SDPA out 1c,
-    x + attn 1ln, ln_2 out 1c, c_fc out 4c, GELU out 4c = 15, plus its input (the previous block's
-    output, counted there as r; ln_1 keeps its own copy when ln != r, and the input then dies with
-    the block: hence ln - r more); LayerNorm mean and rstd (2·s·b fp32 each LayerNorm) and SDPA's
-    log-sum-exp (s·b·heads fp32).
-    """
-    sbh, sb = sh.sbh, sh.sb
-    stats, lse = 2 * 2 * sb * 4, sb * sh.heads * 4
-    full = (1 + 3 + 1 + 1 + 4 + 4) * sbh * c + sbh * ln + sbh * (ln - r) + stats + lse
-    option = t.checkpoint
-    if isinstance(option, ckpt.Blocks):  # only the block input is kept, by the wrapper
-        return (0.0 if (index + 1) % option.every_n == 0 else full), full
-    if isinstance(option, ckpt.Sublayer):  # the sub-layer's input (a LayerNorm output) is kept
-        return full - (4 * sbh * c + lse if option.part == "attn" else 8 * sbh * c), full
-    if isinstance(option, ckpt.SelectiveOps):
-        # Kept: matmul and SDPA outputs (qkv 3, attn proj 1, fc 4, mlp proj 1, SDPA 1 + lse);
-        # recomputed: LayerNorm outputs and statistics, the residual add, GELU.
-        return (3 + 1 + 4 + 1 + 1) * sbh * c + lse, full
-    if isinstance(option, ckpt.Layers):
-        saved = full
-        if "attention" in option.types:  # q, k, v, SDPA out and lse recomputed; its input kept
-            saved -= 4 * sbh * c + lse
-        if "layernorm" in option.types:  # statistics recomputed (the input is kept either way)
-            saved -= stats
-        return saved, full  # a wrapped Linear or GELU keeps exactly what it kept before
-    if isinstance(option, ckpt.NoCheckpoint):
-        return full, full
-    raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__}")
+    lm_head = f"{a.lm_head}.weight"
+    return Shapes(b=cfg["batch_size"] // t.accumulation.steps, s=cfg["seq_len"], arch=arch,
+                  param_numels={n: p.numel() for n, p in params.items()},
+                  param_shapes={n: tuple(p.shape) for n, p in params.items()}, groups=groups,
+                  layer_names=layer_names, embedding=f"{a.embedding}.weight",
+                  lm_head=lm_head if lm_head in params else None,
+                  linear_names=[n for n in layer_names[0] if n.startswith(inner)])
 
 
 def _local_shape(shape: tuple, world: int) -> tuple:
@@ -198,8 +187,9 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
             return Unit(gathered=shard * world * gd, sharded_grads=0.0 if offloaded else shard * pd,
                         reduce_input=shard * world * reduce_d)
 
-        z.root = unit([n for n in local if not n.startswith("transformer.h.")])
-        z.block = unit([n for n in local if n.startswith("transformer.h.0.")])
+        in_layers = {n for names in sh.layer_names for n in names}
+        z.root = unit([n for n in local if n not in in_layers])
+        z.block = unit(sh.layer_names[0])
         z.reshard = getattr(p, "reshard_after_forward", getattr(p, "sharding", "full") == "full")
         z.sync_each = p.sync_each_micro_step
     return z
@@ -213,16 +203,25 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     # embeddings in the compute dtype: then the stream is 16-bit too. CUDA autocast runs LayerNorm
     # in fp32, so there each LayerNorm keeps an fp32 copy of a 16-bit input (CPU autocast does not).
     z.r = z.c if isinstance(t.parallel, (par.FSDP, par.FSDP1)) else BYTES[t.precision.param_dtype]
-    z.ln = 4 if t.precision.autocast_dtype and device == "cuda" else z.r
-    z.blocks = [_block_saves(t, i, sh, z.r, z.c, z.ln) for i in range(sh.layers)]
+    # RMSNorm (llama) keeps an fp32 copy of any input.
+    z.ln = 4 if sh.arch.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else z.r
+    z.inner_temp = 2 * sh.sb * sh.arch.inter * z.c  # GPT-2: d c_fc out and d GELU out, (B, T, 4C) each
+    part = t.checkpoint
+    z.recompute_with_mlp = not (isinstance(part, ckpt.Layers) or (isinstance(part, ckpt.Sublayer) and part.part == "attn"))
+    z.blocks = [layer_saves(sh.arch, t.checkpoint, i, sh.sb, z.r, z.c, z.ln) for i in range(sh.layers)]
     layer_stats = isinstance(t.checkpoint, ckpt.Layers) and "layernorm" in t.checkpoint.types
-    z.ln_f_stats = 0 if layer_stats else 2 * sh.sb * 4
+    # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's normalised input and rsqrt.
+    final = sh.sbh * z.r + sh.sb * 4 if sh.arch.kind == "llama" else 2 * sh.sb * 4
+    z.ln_f_stats = 0 if layer_stats else final
+    if sh.arch.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
+        z.embed_temp = sh.sbh * z.r + sh.s * sh.h * z.r
+    else:  # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
+        z.rotary = 2 * sh.s * sh.arch.head_dim * z.r
     # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the
     # copy until forward ends, and the matmul saves it for backward. FSDP's mixed precision
     # gathers parameters already in that dtype, so nothing is cast there.
     if t.precision.autocast_dtype and not t.parallel.shards_params:
-        linear = ("transformer.h.0.attn.", "transformer.h.0.mlp.")
-        z.block_cast = sum(v for n, v in sh.param_numels.items() if n.startswith(linear)) * z.c
+        z.block_cast = sum(sh.param_numels[n] for n in sh.linear_names) * z.c
         z.lm_head_cast = sh.vocab * sh.h * z.c
     z.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
     z.micro_steps, z.in_backward = t.accumulation.steps, t.optimizer.in_backward

@@ -72,7 +72,11 @@ class Sizes:
     #             the compute dtype under FSDP's mixed precision (its embeddings are gathered in it)
     ln: int = 4  # bytes/element a LayerNorm keeps of its input: r, or a 4-byte copy (CUDA autocast)
     blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
-    ln_f_stats: float = 0.0  # ln_f's mean and rstd, unless recomputed
+    ln_f_stats: float = 0.0  # what the final norm keeps beyond its input and output, unless recomputed
+    embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
+    rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
+    inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
+    recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
@@ -93,8 +97,9 @@ class Step:
         self.sh, self.z, self.tl = sh, z, Timeline()
         self.c, self.r = z.c, z.r
         self.ln_copy = sh.sbh * (z.ln - z.r)  # ln_f's 4-byte copy of a 16-bit x_L (CUDA autocast)
-        self.block_names = [[n for n in z.grads if n.startswith(f"transformer.h.{i}.")] for i in range(sh.layers)]
-        self.root_names = [n for n in z.grads if not n.startswith("transformer.h.")]
+        self.block_names = sh.layer_names
+        in_layers = {n for names in sh.layer_names for n in names}
+        self.root_names = [n for n in z.grads if n not in in_layers]
         self.have_grads = False
 
     def keeps_cast(self, saved: float) -> bool:
@@ -124,13 +129,13 @@ class Step:
         tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
         sbh, sb, V = sh.sbh, sh.sb, sh.vocab
         self.gather(z.root, "activations")
-        # Embedding outputs, then x0 = wte(idx) + wpe(pos): the residual stream (B, T, C).
-        tl.transient("activations", sbh * r + sh.s * sh.h * r)
-        tl.alloc("activations", keep(sbh * r))
+        # Embedding outputs (x0 = wte(idx) + wpe(pos) with learned positions): the residual stream (B, T, C).
+        tl.transient("activations", z.embed_temp)
+        tl.alloc("activations", keep(sbh * r) + z.rotary)
         for saved, full in self.z.blocks:
             self.gather(z.block, "activations")
             tl.alloc("activations", self.z.block_cast)
-            tl.transient("activations", min(full - saved, 8 * sbh * c))  # made and dropped inside
+            tl.transient("activations", min(full - saved, z.inner_temp))  # made and dropped inside
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
             if z.reshard:
                 self.release(z.block)
@@ -158,10 +163,13 @@ class Step:
         tl.free("other", sb * V * 4)
         if c != 4:
             tl.transient("other", sb * V * c)
-        # lm_head's share of the tied wte gradient waits in autograd's buffer (a temporary) until
-        # the embedding's share is added; only then does it become wte.grad.
-        wte = z.grads["transformer.wte.weight"]
-        tl.alloc("other", sbh * c + wte)  # d ln_f out, lm_head's d wte
+        # A tied head's share of the embedding gradient waits in autograd's buffer (a temporary)
+        # until the embedding's share is added; only then does it become wte.grad. An untied
+        # head's gradient is its own at once.
+        wte = z.grads[sh.embedding]
+        tl.alloc("other", sbh * c + (0 if sh.lm_head else wte))  # d ln_f out, lm_head's d wte
+        if sh.lm_head:
+            self.grad(z.grads[sh.lm_head])
         tl.free("other", sb * V * 4)
         lm_head_saved = self.z.lm_head_cast + sbh * c  # its weight's cast and its input, ln_f's output
         tl.transient("activations", lm_head_saved - keep(lm_head_saved))  # back from the host
@@ -174,21 +182,26 @@ class Step:
                 self.gather(z.block, "other")
             back = full - saved + (saved if self.z.offload_acts else 0)  # recomputed, or copied back from the host
             back += 0 if self.keeps_cast(saved) else self.z.block_cast  # cast again, or copied back
-            tl.alloc("activations", back)
-            tl.transient("other", 8 * sbh * c)  # d c_fc out and d GELU out alive together
+            if z.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
+                tl.alloc("activations", back)
+                tl.transient("other", z.inner_temp)  # d c_fc out and d GELU out alive together
+            else:  # only attention or norms: recomputed when backward reaches them, after the MLP's
+                tl.transient("other", z.inner_temp)
+                tl.alloc("activations", back)
             for n in self.block_names[i]:
                 self.grad(z.grads[n])
             kept = keep(saved) + (self.z.block_cast if self.keeps_cast(saved) else 0)
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0))  # and its input (x0 below)
             self.reduce(z.block, self.block_names[i], sync)
             self.release(z.block)
-        # Embedding backward: its dense (V, C) gradient and lm_head's share are summed out of place
-        # (three wte-sized tensors alive at once); the sum becomes wte.grad, or is added into it.
-        tl.alloc("other", 2 * wte)
-        tl.free("other", 3 * wte)
-        for n in ["transformer.wte.weight", *(n for n in self.root_names if n != "transformer.wte.weight")]:
+        # Embedding backward: its dense (V, C) gradient and a tied head's share are summed out of
+        # place (three wte-sized tensors alive at once); the sum becomes wte.grad, or is added into it.
+        if not sh.lm_head:
+            tl.alloc("other", 2 * wte)
+            tl.free("other", 3 * wte)
+        for n in [sh.embedding, *(n for n in self.root_names if n not in (sh.embedding, sh.lm_head))]:
             self.grad(z.grads[n])
-        tl.free("activations", keep(sbh * r))
+        tl.free("activations", keep(sbh * r) + z.rotary)
         tl.free("other", sbh * r)
         self.reduce(z.root, self.root_names, sync)
         self.release(z.root)

@@ -47,14 +47,14 @@ def trace(config: dict) -> Prediction:
         with _swappable_params(mode):
             # compile=true is traced eager: compiled kernels cannot run on fake tensors. Inductor's
             # fusions usually keep fewer activations, so this tends to over-predict such runs.
-            model = build_model(config["model"], t, device)
+            model = build_model(t, device)
         optimizer = build_optimizer(model, t)
         # fp16's GradScaler reads found_inf.item() in step() to decide whether to skip it, a value
         # a fake tensor does not have. Unscaling is in place, so a disabled scaler costs the same.
         scaler = torch.amp.GradScaler(device.type, enabled=False)
 
         def step() -> torch.Tensor:
-            return train_step(model, optimizer, scaler, t, _fake_batch(config), device)
+            return train_step(model, optimizer, scaler, t, _fake_batch(config, t.model.vocab_size), device)
 
         step()  # creates the optimizer states, as a real run's warm-up does
         traced = measure.traced_step(step, model, optimizer, device)
@@ -98,10 +98,10 @@ def _check_traceable(t: Techniques) -> None:
                           "CUDA streams and events, which fake tensors cannot stand in for")
 
 
-def _fake_batch(config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_batch(config: dict, V: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) int64 inputs and targets on the host, as TokenData gives them: the train step
     copies them to the device, so the device copies are counted as in a real step."""
-    B, T, V = config["batch_size"], config["seq_len"], config["model"]["vocab_size"]
+    B, T = config["batch_size"], config["seq_len"]
     return torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
 
 

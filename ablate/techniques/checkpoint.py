@@ -2,10 +2,12 @@
 
 Every option wraps chosen submodules in place with torch's own non-reentrant checkpoint wrapper
 (what torchtitan uses), so parameters stay the same objects: the tied lm_head/wte weight survives.
+The modules are found through the model family's adapter (ablate/models/): its repeated layers,
+their attention and MLP, its norm and activation classes, for any family.
 
 `recompute_fraction` (for HFU) is the share of the model's forward FLOPs run again in backward,
 estimated from matmul weights: sum of Linear weight sizes inside the recomputed modules over the
-sum of all Linear weight sizes (lm_head included). An approximation: SDPA and pointwise FLOPs are
+sum of all Linear weight sizes (the LM head included). An approximation: SDPA and pointwise FLOPs are
 ignored, and torch's early stop may skip a wrapped module's last matmul when nothing after it is
 needed in backward (the estimate counts it), so the true recompute is at most this figure.
 """
@@ -13,14 +15,14 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ablate.model import CausalSelfAttention
+from ablate.models import Adapter
 from ablate.techniques import Invalid, Option, Plan
 
 
@@ -29,30 +31,30 @@ class NoCheckpoint(Option):
 
     recompute_fraction = 0.0  # share of the forward pass run again in backward (for HFU)
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
         return model
 
 
-def _linear_weights(modules: Iterable[nn.Module]) -> int:
-    """Elements of the Linear weights inside `modules`: 1/2 of their matmul FLOPs per token."""
-    return sum(m.weight.numel() for root in modules for m in root.modules() if isinstance(m, nn.Linear))
+def _linear_weights(modules: Iterable[nn.Module], linears: tuple[type, ...]) -> int:
+    """Elements of the linear weights inside `modules`: 1/2 of their matmul FLOPs per token."""
+    return sum(m.weight.numel() for root in modules for m in root.modules() if isinstance(m, linears))
 
 
 class _Recompute(NoCheckpoint, abc.ABC):
     """Shared glue: pick (parent, name) pairs, wrap each module, estimate recompute_fraction."""
 
     @abc.abstractmethod
-    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+    def _targets(self, model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module, str]]:
         """The (parent module, child name) pairs whose child is wrapped."""
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        targets = self._targets(model)
+    def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
+        targets = self._targets(model, adapter)
         chosen = [getattr(parent, name) for parent, name in targets]
         # 2 * weights FLOPs per token for each matmul; the factor 2 cancels in the ratio.
-        self.recompute_fraction = _linear_weights(chosen) / _linear_weights([model])
+        self.recompute_fraction = _linear_weights(chosen, adapter.linears) / _linear_weights([model], adapter.linears)
         for (parent, name), module in zip(targets, chosen):
             setattr(parent, name, self._wrap(module))  # ModuleList accepts "0", "1", ... as names
         return model
@@ -70,8 +72,8 @@ class Blocks(_Recompute):
         if self.every_n < 1:
             raise Invalid(f"checkpoint.every_n={self.every_n} must be >= 1")
 
-    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
-        h = model.transformer.h
+    def _targets(self, model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module, str]]:
+        h = adapter.layer_list(model)
         # Blocks n, 2n, ... counted from 1 (torchtitan's ac_freq): every_n=2 wraps h[1], h[3], ...
         return [(h, str(i)) for i in range(len(h)) if (i + 1) % self.every_n == 0]
 
@@ -93,9 +95,10 @@ class Sublayer(_Recompute):
         if self.part not in self.PARTS:
             raise Invalid(f"checkpoint.part: {self.part!r} is not one of {', '.join(self.PARTS)}")
 
-    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
+    def _targets(self, model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module, str]]:
         self._validate()
-        return [(block, self.part) for block in model.transformer.h]
+        child = adapter.attention if self.part == "attn" else adapter.mlp  # the family's name for it
+        return [(block, child) for block in adapter.layer_list(model)]
 
 
 # Ops whose outputs selective recompute keeps: the matmuls and attention, costly to redo.
@@ -120,28 +123,33 @@ class SelectiveOps(_Recompute):
     e.g. the (B, T, 4C) GELU output and the LayerNorm outputs. Spends: only cheap pointwise
     recompute, so recompute_fraction is ~0 (no matmul runs twice)."""
 
-    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
-        h = model.transformer.h
+    def _targets(self, model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module, str]]:
+        h = adapter.layer_list(model)
         return [(h, str(i)) for i in range(len(h))]
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
         return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context_fn)
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        model = super().apply(model)
+    def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
+        model = super().apply(model, adapter)
         self.recompute_fraction = 0.0  # pointwise FLOPs only, which the estimate ignores
         return model
 
 
-LAYER_TYPES: dict[str, type[nn.Module]] = {
-    "layernorm": nn.LayerNorm, "gelu": nn.GELU, "linear": nn.Linear, "attention": CausalSelfAttention,
+# checkpoint.types -> the family's classes of that kind. `layernorm` is the family's norm (LayerNorm,
+# or RMSNorm in Llama-like models), `gelu` its MLP activation module (GELU, or SiLU).
+LAYER_TYPES: dict[str, Callable[[Adapter, nn.Module], tuple[type, ...]]] = {
+    "layernorm": lambda a, model: a.norms,
+    "gelu": lambda a, model: a.activations,
+    "linear": lambda a, model: a.linears,
+    "attention": lambda a, model: (a.attention_class(model),),
 }
 
 
 class Layers(_Recompute):
-    """Recompute every module of the chosen `types` (layernorm, gelu, linear, attention) anywhere
-    in the model, outermost only (a Linear inside a wrapped attention is not wrapped again).
+    """Recompute every module of the chosen `types` (layernorm: the family's norm, gelu: its MLP
+    activation, linear, attention) anywhere in the model, outermost only (a Linear inside a wrapped attention is not wrapped again).
     Saves: what each such module stores for backward beyond its input (LayerNorm statistics,
     attention's q, k, v and SDPA output). Spends: one more forward of each. A lone Linear saves
     only its input and weight, which the wrapper keeps anyway: wrapping it saves nothing."""
@@ -149,17 +157,17 @@ class Layers(_Recompute):
     def __init__(self, types: Sequence[str] = ("layernorm", "gelu", "linear", "attention")):
         self.types = list(types)
 
-    def _classes(self) -> tuple[type[nn.Module], ...]:
+    def _validate(self) -> None:
         for t in self.types:
             if t not in LAYER_TYPES:
                 raise Invalid(f"checkpoint.types: {t!r} is not one of {', '.join(LAYER_TYPES)}")
-        return tuple(LAYER_TYPES[t] for t in self.types)
 
     def check(self, plan: Plan) -> None:
-        self._classes()
+        self._validate()
 
-    def _targets(self, model: nn.Module) -> list[tuple[nn.Module, str]]:
-        classes = self._classes()
+    def _targets(self, model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module, str]]:
+        self._validate()
+        classes = tuple(c for t in self.types for c in LAYER_TYPES[t](adapter, model))
         chosen: list[str] = []
         for name, module in model.named_modules():  # pre-order: a parent comes before its children
             if isinstance(module, classes) and not any(name.startswith(p + ".") for p in chosen):

@@ -41,7 +41,8 @@ class Single(Option):
     def teardown(self) -> None:
         """Leave the process group."""
 
-    def wrap(self, model: nn.Module, precision, offload) -> nn.Module:
+    def wrap(self, model: nn.Module, adapter, precision, offload) -> nn.Module:
+        """`adapter` (ablate/models/) says where the model's repeated layers are."""
         return model
 
     def sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
@@ -106,7 +107,7 @@ class DDP(_Distributed):
         super().__init__(nproc, nodes, backend)
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
-    def wrap(self, model: nn.Module, precision, offload) -> nn.Module:
+    def wrap(self, model: nn.Module, adapter, precision, offload) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         device = next(model.parameters()).device
@@ -118,7 +119,7 @@ class DDP(_Distributed):
 
 
 class FSDP(_Distributed):
-    """FSDP2 (`fully_shard`) on every transformer block, then on the root. Parameters, gradients
+    """FSDP2 (`fully_shard`) on every repeated layer (the adapter's), then on the root. Parameters, gradients
     and optimizer states are sharded over the ranks (1/world each); a block's parameters are
     all-gathered just before use. reshard_after_forward=True frees them again after forward
     (ZeRO-3; all-gathered again in backward), False keeps them until backward (ZeRO-2-like:
@@ -138,7 +139,7 @@ class FSDP(_Distributed):
         super().__init__(nproc, nodes, backend)
         self.reshard_after_forward, self.sync_each_micro_step = reshard_after_forward, sync_each_micro_step
 
-    def wrap(self, model: nn.Module, precision, offload) -> nn.Module:
+    def wrap(self, model: nn.Module, adapter, precision, offload) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs = {"reshard_after_forward": self.reshard_after_forward}
@@ -147,7 +148,7 @@ class FSDP(_Distributed):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         if hasattr(offload, "cpu_offload_policy"):
             kwargs["offload_policy"] = offload.cpu_offload_policy()
-        for block in model.transformer.h:
+        for block in adapter.layer_list(model):
             fully_shard(block, **kwargs)
         return fully_shard(model, **kwargs)
 
@@ -194,11 +195,9 @@ class FSDP1(_Distributed):
             if value not in valid:
                 raise Invalid(f"parallel.{key}={value!r} is not one of {', '.join(valid)}")
 
-    def wrap(self, model: nn.Module, precision, offload) -> nn.Module:
+    def wrap(self, model: nn.Module, adapter, precision, offload) -> nn.Module:
         from torch.distributed import fsdp
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-        from ablate.model import Block
 
         strategy = {"full": fsdp.ShardingStrategy.FULL_SHARD, "grad_op": fsdp.ShardingStrategy.SHARD_GRAD_OP,
                     "no_shard": fsdp.ShardingStrategy.NO_SHARD}[self.sharding]
@@ -211,7 +210,7 @@ class FSDP1(_Distributed):
         device = next(model.parameters()).device
         return fsdp.FullyShardedDataParallel(
             model,
-            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={adapter.layer_class(model)}),
             sharding_strategy=strategy, backward_prefetch=prefetch, mixed_precision=mixed,
             cpu_offload=fsdp.CPUOffload(offload_params=True) if hasattr(offload, "cpu_offload_policy") else None,
             device_id=device,  # explicit even on CPU: FSDP1 only infers accelerator devices

@@ -1,4 +1,5 @@
-"""Load GPT-2 weights from a local Hugging Face checkpoint directory (safetensors), no hub access.
+"""ablate's own GPT-2 as a model family (the default), and loading GPT-2 weights from a local
+Hugging Face checkpoint directory (safetensors, no hub access).
 
 The directory is what `GPT2LMHeadModel.save_pretrained(dir)` writes: config.json plus
 model.safetensors (or shards listed in model.safetensors.index.json).
@@ -10,8 +11,56 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
-from ablate.model import GPT
+from ablate.model import GPT, GPTConfig
+from ablate.models import Adapter, Family
+from ablate.techniques import Invalid, Plan
+
+ADAPTER = Adapter(layers="transformer.h", attention="attn", mlp="mlp", norms=(nn.LayerNorm,),
+                  activations=(nn.GELU,), lm_head="lm_head", embedding="transformer.wte",
+                  position_embedding="transformer.wpe")
+
+
+class GPT2(Family):
+    """ablate's GPT-2 (ablate/model.py): n_layer blocks of n_head heads over n_embd, a learned
+    position embedding of block_size, the LM head tied to the token embedding."""
+
+    def __init__(self, name: str, n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257,
+                 block_size: int = 1024, dropout: float = 0.0, bias: bool = True, init_from: str | None = None):
+        self.name, self.init_from = name, init_from
+        self.config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
+                                block_size=block_size, dropout=dropout, bias=bias)
+
+    def check(self, plan: Plan) -> None:
+        c = self.config
+        for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+            if getattr(c, key) < 1:
+                raise Invalid(f"model.{key}={getattr(c, key)} must be >= 1")
+        if c.n_embd % c.n_head:  # else the model's own assert fails inside a worker
+            raise Invalid(f"model.n_embd={c.n_embd} is not divisible by model.n_head={c.n_head}")
+        if plan.seq_len > c.block_size:
+            raise Invalid(f"seq_len={plan.seq_len} > model.block_size={c.block_size}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.block_size
+
+    @property
+    def adapter(self) -> Adapter:
+        return ADAPTER
+
+    def build(self) -> nn.Module:
+        return GPT(self.config)
+
+    def load_weights(self, model: nn.Module) -> None:
+        if self.init_from:
+            load_weights(model, self.init_from)
+
 
 # HF's GPT-2 uses Conv1D layers, whose weights are stored (in, out): transpose into nn.Linear's (out, in).
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -26,7 +75,8 @@ def read_config(path: str | Path) -> dict:
     )
 
 
-def _state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a save_pretrained directory (one file or an index of shards), by its name."""
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
         else ["model.safetensors"]
@@ -49,7 +99,7 @@ def load_weights(model: GPT, path: str | Path) -> None:
         raise ValueError(f"model.init_from={path}: " + "; ".join(wrong))
     ours = model.state_dict()
     with torch.no_grad():
-        for key, value in _state_dict(path).items():
+        for key, value in read_state_dict(path).items():
             key = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
             if key.endswith((".attn.bias", ".attn.masked_bias")):
                 continue  # causal-mask buffers in older checkpoints; SDPA needs none

@@ -1,0 +1,172 @@
+"""Any decoder-only causal LM of Hugging Face transformers as a model family, built from its
+config.json with no network: Llama, Qwen2, Mistral, GPT-NeoX, GPT-2 and the others
+AutoModelForCausalLM knows.
+
+The model comes in as transformers writes it; `CausalLM` only puts it behind ablate's interface
+(forward(idx, targets) -> (logits, loss), with the same fp32 loss as ablate's GPT), and
+`find_adapter` reads where its parts are from the model itself: the repeated layer is the class
+transformers names in `_no_split_modules` (the unit it never splits across devices), its
+attention and MLP the layer's children of those kinds, the LM head and the token embedding what
+`get_output_embeddings` / `get_input_embeddings` return. transformers is an optional extra
+(`pip install 'ablate[hf]'`): without it such a point is an `invalid` row saying so.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ablate.models import Adapter, Family, lm_loss
+from ablate.techniques import Invalid, Plan
+
+# config.json keys that are not the model's shape: transformers' own bookkeeping, and the dtype
+# the weights were saved in (the precision option decides the dtype here).
+_IGNORED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise Invalid(f"this model needs Hugging Face transformers ({e}): pip install 'ablate[hf]'") from None
+    transformers.logging.set_verbosity_error()  # its warnings about unused generation keys are noise here
+    return transformers
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM behind ablate's model interface. `lm` is the transformers model."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx, targets: (B, T) token ids, targets already shifted (the data's y): transformers'
+        own `labels` would shift them again. No KV cache: this is training."""
+        logits = self.lm(input_ids=idx, use_cache=False).logits  # (B, T, vocab) in the compute dtype
+        return logits, None if targets is None else lm_loss(logits, targets)
+
+    def tie_weights(self) -> None:
+        self.lm.tie_weights()
+
+    def reset_parameters(self) -> None:
+        """transformers' own initialisation (its `_init_weights` per module, rotary buffers
+        included), so a model built on meta and given storage on the device starts as a fresh one."""
+        self.lm.init_weights()
+
+
+def find_adapter(model: CausalLM) -> Adapter:
+    """The adapter of a transformers model, read from its structure (paths from `model`)."""
+    lm = model.lm
+    names = {id(m): n for n, m in model.named_modules()}
+    unit = set(getattr(lm, "_no_split_modules", None) or ())
+    layers = next((n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+                   and type(m[0]).__name__ in unit), None)
+    if layers is None:
+        raise Invalid(f"model: {type(lm).__name__} names no repeated layer in _no_split_modules ({unit or 'none'})")
+    layer = model.get_submodule(layers)[0]
+    children = dict(layer.named_children())
+    attention = next((n for n, m in children.items() if type(m).__name__.endswith("Attention")), None)
+    mlp = next((n for n, m in children.items() if type(m).__name__.endswith("MLP")), None)
+    if attention is None or mlp is None:
+        raise Invalid(f"model: no attention or MLP child in {type(layer).__name__} ({', '.join(children)})")
+    tf = _transformers()
+    activations = {type(m) for m in children[mlp].modules() if type(m).__module__ == tf.activations.__name__
+                   or isinstance(m, (nn.GELU, nn.SiLU, nn.ReLU))}
+    norms = {type(m) for m in model.modules() if "Norm" in type(m).__name__}
+    embedding = names[id(lm.get_input_embeddings())]
+    positions = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and n != embedding
+                 and m.num_embeddings == getattr(lm.config, "max_position_embeddings", None)]
+    return Adapter(layers=layers, attention=attention, mlp=mlp, norms=tuple(norms), activations=tuple(activations),
+                   lm_head=names[id(lm.get_output_embeddings())], embedding=embedding,
+                   position_embedding=positions[0] if positions else None,
+                   linears=(nn.Linear, tf.pytorch_utils.Conv1D))
+
+
+class HFCausalLM(Family):
+    """A transformers causal LM from its config: `config_path` (a directory with config.json, or
+    the file), then the keys of `config` on top (`model.config.num_hidden_layers=2`); without a
+    config_path, `init_from`'s config.json. Random initialisation (transformers' own) unless
+    `init_from` names a local directory of safetensors weights. `name` labels the rows."""
+
+    def __init__(self, name: str = "hf", config: dict | None = None, config_path: str | None = None,
+                 init_from: str | None = None, attn_implementation: str = "sdpa"):
+        self.name, self.config_path, self.init_from = name, config_path, init_from
+        self.overrides, self.attn_implementation = dict(config or {}), attn_implementation
+        self._hf_config = None
+
+    @property
+    def hf_config(self):
+        """The transformers config (PretrainedConfig) this option builds."""
+        if self._hf_config is None:
+            keys = {**self._file_config(), **self.overrides}
+            if "model_type" not in keys:
+                raise Invalid("model.config.model_type is missing: name the family (llama, qwen2, mistral, "
+                              "gpt_neox, gpt2, ...) or give model.config_path=DIR with a config.json")
+            keys = {k: v for k, v in keys.items() if k not in _IGNORED_KEYS}
+            try:
+                self._hf_config = _transformers().AutoConfig.for_model(**keys)
+            except ValueError as e:  # an unknown model_type: transformers lists the known ones
+                raise Invalid(f"model.config.model_type={keys['model_type']!r}: {str(e).splitlines()[0]}") from None
+        return self._hf_config
+
+    def _file_config(self) -> dict[str, Any]:
+        source, key = (self.config_path, "config_path") if self.config_path else (self.init_from, "init_from")
+        if not source:
+            return {}
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise Invalid(f"model.{key}={source}: no config.json there")
+        return json.loads(path.read_text())
+
+    def check(self, plan: Plan) -> None:
+        c = self.hf_config
+        if plan.seq_len > self.max_seq_len:
+            raise Invalid(f"seq_len={plan.seq_len} > model.config.max_position_embeddings={self.max_seq_len}")
+        heads, hidden = getattr(c, "num_attention_heads", None), getattr(c, "hidden_size", None)
+        if heads and hidden and not getattr(c, "head_dim", None) and hidden % heads:
+            raise Invalid(f"model.config.hidden_size={hidden} is not divisible by "
+                          f"model.config.num_attention_heads={heads}")
+        kv = getattr(c, "num_key_value_heads", None)
+        if heads and kv and heads % kv:
+            raise Invalid(f"model.config.num_attention_heads={heads} is not divisible by "
+                          f"model.config.num_key_value_heads={kv}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return getattr(self.hf_config, "max_position_embeddings", None) or 2**31
+
+    @property
+    def adapter(self) -> Adapter:
+        return find_adapter(self.meta_model)
+
+    def build(self) -> nn.Module:
+        tf = _transformers()
+        lm = tf.AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation,
+                                                 dtype=torch.get_default_dtype())
+        return CausalLM(lm)
+
+    def load_weights(self, model: nn.Module) -> None:
+        """Copy init_from's safetensors into `model` in place (any device, any dtype)."""
+        if not self.init_from:
+            return
+        from ablate.models.gpt import read_state_dict
+
+        state = read_state_dict(Path(self.init_from))
+        with torch.no_grad():
+            missing, unexpected = model.lm.load_state_dict(state, strict=False)
+        tied = set(getattr(model.lm, "all_tied_weights_keys", {}) or {})
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise ValueError(f"model.init_from={self.init_from}: " + "; ".join(
+                f"{what}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+                for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys))
+        model.tie_weights()

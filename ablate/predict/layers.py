@@ -1,0 +1,135 @@
+"""What one decoder layer keeps for backward, per model family: the analytic model's activations.
+
+A family's layer is described by its sizes (`Arch`, read from the model option) and one function
+giving the bytes it keeps for backward beyond its input. Three layouts cover the shipped families:
+- gpt2: ablate's GPT-2 (LayerNorm, fused qkv, GELU MLP of 4h, learned positions, tied head).
+- llama: Llama, Qwen2, Mistral as transformers writes them (RMSNorm, separate q/k/v projections
+  with grouped-query K/V heads, rotary, SwiGLU MLP of three matrices, tied or untied head).
+- neox: GPT-NeoX / Pythia (LayerNorm, fused qkv, partial rotary, attention and MLP in parallel
+  off one residual, GELU MLP, untied head).
+Any other layout raises Unmodelled, and the job falls back to predict=trace.
+
+Units: `sb` tokens of the micro-batch, `r` bytes/element of the residual stream, `c` of the compute
+dtype, `ln` of what a LayerNorm keeps of its input (ablate/predict/analytic.py explains the three).
+Attention is SDPA everywhere: no (T, T) score matrix is stored, and its output is laid out (B, T,
+heads, head_dim) already, so the output projection keeps that very tensor as its input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ablate.predict.timeline import Unmodelled
+from ablate.techniques import checkpoint as ckpt
+
+LLAMA_LIKE = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A family's sizes, as the layer functions need them."""
+
+    kind: str  # gpt2 | llama | neox
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int  # key/value heads (grouped-query attention); = heads without it
+    head_dim: int
+    inter: int  # MLP hidden width (4h in GPT-2; SwiGLU's gate and up width in Llama)
+    vocab: int
+    tied: bool  # the LM head is the token embedding
+
+
+def arch_of(family) -> Arch:
+    """The sizes of a model option (ablate/models/); Unmodelled for a layout not described here."""
+    from ablate.models.gpt import GPT2
+
+    if isinstance(family, GPT2):
+        c = family.config
+        return Arch("gpt2", c.n_layer, c.n_embd, c.n_head, c.n_head, c.n_embd // c.n_head, 4 * c.n_embd,
+                    c.vocab_size, tied=True)
+    hf = getattr(family, "hf_config", None)
+    kind = getattr(hf, "model_type", None)
+    if kind in LLAMA_LIKE or kind == "gpt_neox":
+        heads = hf.num_attention_heads
+        return Arch("llama" if kind in LLAMA_LIKE else "neox", hf.num_hidden_layers, hf.hidden_size, heads,
+                    getattr(hf, "num_key_value_heads", None) or heads,
+                    getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size,
+                    tied=bool(hf.tie_word_embeddings))
+    raise Unmodelled(f"no analytic memory model for model_type={kind or type(family).__name__}")
+
+
+def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int) -> tuple[float, float]:
+    """(bytes layer `index` keeps for backward beyond its input under checkpoint `option`, bytes it
+    keeps without recompute). Its input is the previous layer's output, counted there as r·sbh."""
+    full, parts = _FULL[a.kind](a, sb, r, c, ln)
+    if isinstance(option, ckpt.Blocks):  # only the layer input is kept, by the wrapper
+        return (0.0 if (index + 1) % option.every_n == 0 else full), full
+    if isinstance(option, ckpt.Sublayer):  # the sub-layer's input (a norm output) is kept
+        return full - (parts["attn"] if option.part == "attn" else parts["mlp"]), full
+    if isinstance(option, ckpt.SelectiveOps):
+        return parts["matmul"], full  # matmul and SDPA outputs kept; norms, adds, activations recomputed
+    if isinstance(option, ckpt.Layers):
+        saved = full
+        if "attention" in option.types:  # its insides recomputed; its input kept
+            saved -= parts["attn"]
+        if "layernorm" in option.types:  # what a norm keeps beyond its input
+            saved -= parts["norm"]
+        return saved, full  # a wrapped Linear or activation keeps exactly what it kept before
+    if isinstance(option, ckpt.NoCheckpoint):
+        return full, full
+    raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__}")
+
+
+def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
+    """In units of s·b·h: ln_1 out 1c, qkv 3c (q, k, v are views of it), SDPA out 1c, x + attn 1ln
+    (kept by ln_2), ln_2 out 1c, c_fc out 4c, GELU out 4c = 15, plus its input (ln_1 keeps its
+    own copy when ln != r, and the input then dies with the block: hence ln - r more); LayerNorm
+    mean and rstd (2·s·b fp32 each LayerNorm) and SDPA's log-sum-exp (s·b·heads fp32)."""
+    sbh = sb * a.hidden
+    stats, lse = 2 * 2 * sb * 4, sb * a.heads * 4
+    full = (1 + 3 + 1 + 1 + 4 + 4) * sbh * c + sbh * ln + sbh * (ln - r) + stats + lse
+    return full, {"attn": 4 * sbh * c + lse, "mlp": 8 * sbh * c, "norm": stats,
+                  "matmul": (3 + 1 + 4 + 1 + 1) * sbh * c + lse}
+
+
+def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
+    """RMSNorm (transformers' LlamaRMSNorm) upcasts its input to fp32 and keeps it, the rsqrt
+    (s·b fp32) and the normalised input in the input dtype; its output goes on to the
+    projections. Attention keeps q and k after rotary (new tensors: q·cos + rotate_half(q)·sin
+    keeps only the shared cos and sin), v (a view of v_proj's output), SDPA's output and
+    log-sum-exp; K and V have kv_heads heads, and SDPA takes them as they are (enable_gqa).
+    SwiGLU keeps gate and up outputs, SiLU's output and the product: 4 of (s·b·inter).
+    Per layer: ln_1's fp32 input (a copy when r != 4: the layer input then dies), normalised and
+    output; attention; x + attn in fp32 (kept by ln_2: itself when r == 4, else a copy); ln_2's
+    normalised and output; the MLP."""
+    sbh, q, kv = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.kv_heads * a.head_dim
+    lse, rsqrt = sb * a.heads * 4, sb * 4
+    norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
+    attn = (q + 2 * kv + q) * c + lse  # q, k after rotary; v; SDPA out; lse
+    mlp = 4 * sb * a.inter * c
+    full = sbh * (4 - r) + 2 * (norm + sbh * c) + attn + sbh * 4 + mlp
+    # A recomputed RMSNorm keeps only its input (r): its fp32 copy (when r != 4) goes too, and the
+    # input it keeps is one that would have been kept or copied anyway.
+    return full, {"attn": attn, "mlp": mlp, "norm": 2 * (sbh * 4 + rsqrt),
+                  # q/k/v and o projections, SDPA, gate and up, down
+                  "matmul": (q + 2 * kv + q + 2 * sbh) * c + lse + 2 * sb * a.inter * c}
+
+
+def _neox(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
+    """GPT-NeoX with its parallel residual: both LayerNorms read the layer input (kept once, as r;
+    each keeps an ln-byte copy when ln != r) and keep their mean and rstd; attention keeps the
+    fused qkv output (v is a view of it), q and k after rotary (new whole tensors: the rotated
+    part concatenated with the rest), SDPA's output and log-sum-exp, and a contiguous copy of that
+    output as the dense projection's input (SDPA reads the strided v and writes (B, heads, T,
+    head_dim), which the reshape to (B, T, C) must copy); the MLP keeps its (s·b·inter)
+    hidden before and after GELU; the two LayerNorm outputs (c) go on to the projections."""
+    sbh = sb * a.hidden
+    stats, lse = 2 * 2 * sb * 4, sb * a.heads * 4
+    attn = (3 + 1 + 1 + 1 + 1) * sbh * c + lse
+    mlp = 2 * sb * a.inter * c
+    full = 2 * sbh * c + attn + mlp + 2 * sbh * (ln - r) + 2 * stats
+    # qkv, SDPA, dense, the MLP's two projections
+    return full, {"attn": attn, "mlp": mlp, "norm": 2 * stats, "matmul": (3 + 1 + 1 + 1) * sbh * c + lse + sb * a.inter * c}
+
+
+_FULL = {"gpt2": _gpt2, "llama": _llama, "neox": _neox}
