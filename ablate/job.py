@@ -23,6 +23,7 @@ from ablate.build import check_config
 from ablate.capacity import capacity_mib
 from ablate.console import Progress
 from ablate.predict import Prediction, predict
+from ablate.predict.timeline import Unmodelled
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
 from ablate.techniques import Invalid
 from launch.local import Outcome, pass_on_stop, run_worker
@@ -118,7 +119,8 @@ def run_once(config: dict, run_dir: Path, overrides: list[str], progress: Progre
 
 
 def predicted(config: dict) -> Prediction | None:
-    """The point's predicted memory; a method that fails falls back to the analytic model, and a
+    """The point's predicted memory; a method that fails falls back to the analytic model, one the
+    analytic model has no sizes for (a model family it does not describe) to the trace, and a
     prediction that cannot be made is a warning, never a lost point."""
     methods = [] if config["predict"] == "none" else list(dict.fromkeys([config["predict"], "analytic"]))
     if config["device"] == "auto" and not config["predict_only"] and not visible_gpu_count():
@@ -126,6 +128,10 @@ def predicted(config: dict) -> Prediction | None:
     for method in methods:
         try:
             return predict(config, method)
+        except Unmodelled as exc:  # e.g. a model family it has no layer sizes for: the trace runs any
+            print(f"note: {exc}; predicting with predict=trace instead", file=sys.stderr)
+            if "trace" not in methods:
+                methods.append("trace")  # the loop reaches it next
         except Exception as exc:  # e.g. an option the fake-tensor trace cannot follow
             print(f"warning: predict={method} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     return None

@@ -21,6 +21,13 @@ FAST = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "data.t
 register()
 
 
+def fast_defaults(args) -> list[str]:
+    """FAST less what `args` set (args win); another model drops gpt-nano's keys along with it."""
+    keys = {a.lstrip("+").split("=")[0] for a in args}
+    other_model = "model" in keys
+    return [f for f in FAST if f.split("=")[0] not in keys and not (other_model and f.startswith("model"))]
+
+
 def compose_config(overrides: list[str] = ()) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))
@@ -30,8 +37,7 @@ def compose_config(overrides: list[str] = ()) -> dict:
 def run_cli(args: list[str], out_dir: Path, env: dict | None = None, timeout: float = 300,
             fast: bool = True) -> subprocess.CompletedProcess:
     """`python -m ablate ARGS` with outputs under out_dir; never raises on a non-zero exit."""
-    keys = {a.split("=")[0] for a in args}
-    defaults = [f for f in FAST if f.split("=")[0] not in keys] if fast else []  # args win over FAST
+    defaults = fast_defaults(args) if fast else []
     cmd = [sys.executable, "-m", "ablate", *args, f"out_dir={out_dir}", *defaults]
     full_env = {k: v for k, v in os.environ.items() if k != "ABLATE_FAULT"}
     full_env.update(env or {})
@@ -53,7 +59,7 @@ def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, s
     from ablate.data import Synthetic
     from ablate.train import train_step
 
-    cfg = compose_config([*FAST, f"batch_size={batch_size}", f"seq_len={seq_len}", *overrides])
+    cfg = compose_config([*fast_defaults(overrides), f"batch_size={batch_size}", f"seq_len={seq_len}", *overrides])
     t = check_config(cfg, device)
     data = Synthetic(vocab_size=128, train_samples=64).load(seq_len)
     torch.manual_seed(seed)

@@ -19,9 +19,9 @@ MIB = 2**20
 NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
 
 
-def measured(overrides: list[str]) -> measure.Trace:
+def measured(overrides: list[str], base: list[str] = NANO) -> measure.Trace:
     """MemTracker on the second real step of the point (the first allocates optimizer states)."""
-    cfg = compose_config([*NANO, *overrides])
+    cfg = compose_config([*base, *overrides])
     t = check_config(cfg, "cpu")
     torch.manual_seed(0)
     cpu = torch.device("cpu")
@@ -30,7 +30,7 @@ def measured(overrides: list[str]) -> measure.Trace:
     scaler = t.precision.grad_scaler("cpu")
 
     def step():
-        batch = torch.randint(0, 128, (2, cfg["batch_size"], cfg["seq_len"]))  # made inside the step, as in runs
+        batch = torch.randint(0, cfg["data"]["vocab_size"], (2, cfg["batch_size"], cfg["seq_len"]))  # made inside the step, as in runs
         train_step(model, optimizer, scaler, t, (batch[0], batch[1]), cpu)
 
     step()
