@@ -19,6 +19,7 @@ PRESETS = {
     "leanest": ("gpt2-large", 3, 3),
     "gpt2_throughput": ("gpt2", None, 2),
     "predict_check": ("gpt2", None, 16),
+    "fit_llama_1b": ("llama3.2-1b", 6, 18),
 }
 # Scaled down for a CPU: a nano GPT, short sequences, a few steps.
 TINY = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "data.eval_samples=8", "seq_len=16",
@@ -74,6 +75,18 @@ def test_preset_plans_its_full_size_grid_without_a_gpu(preset, plan):
     runs = plan(preset)
     assert len(runs) == PRESETS[preset][2]
     assert PRESETS[preset][0] in {r["choices"]["model"] for r in runs}
+
+
+def test_fit_llama_1b_plans_which_combination_fits_which_card(plan):
+    """Every combination judged on each card by find_batch over predictions: more memory never
+    fits a smaller micro-batch, and pure bf16 + block recompute fits a 24 GiB card."""
+    fits = {}
+    for r in plan("fit_llama_1b"):
+        c = r["config"]
+        fits[(c["rung"], c["gpu_memory_gib"])] = r["metrics"]["max_batch_size"] or 0
+    for rung in range(6):
+        assert fits[(rung, 8.0)] <= fits[(rung, 16.0)] <= fits[(rung, 24.0)]
+    assert fits[(2, 24.0)] >= 1 and fits[(0, 24.0)] == 0  # bf16_pure + block fits; bf16 autocast alone does not
 
 
 def test_ladder_rungs_save_what_they_promise(plan):
