@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ablate.build import Techniques
 from ablate.predict import Prediction
-from ablate.predict.layers import Arch, arch_of, layer_saves
+from ablate.predict.layers import Arch, arch_of, layer_saves, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.techniques import checkpoint as ckpt
 from ablate.techniques import optimizer as opt
@@ -205,9 +205,10 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     z.r = z.c if isinstance(t.parallel, (par.FSDP, par.FSDP1)) else BYTES[t.precision.param_dtype]
     # RMSNorm (llama) keeps an fp32 copy of any input.
     z.ln = 4 if sh.arch.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else z.r
-    z.inner_temp = 2 * sh.sb * sh.arch.inter * z.c  # GPT-2: d c_fc out and d GELU out, (B, T, 4C) each
+    z.inner_temp = (1 if sh.arch.kind == "neox" else 2) * sh.sb * sh.arch.inter * z.c  # GPT-2: d c_fc out and d GELU out, (B, T, 4C) each
     part = t.checkpoint
     z.recompute_with_mlp = not (isinstance(part, ckpt.Layers) or (isinstance(part, ckpt.Sublayer) and part.part == "attn"))
+    z.mlp_saved = mlp_saves(sh.arch, sh.sb, z.r, z.c, z.ln)
     z.blocks = [layer_saves(sh.arch, t.checkpoint, i, sh.sb, z.r, z.c, z.ln) for i in range(sh.layers)]
     layer_stats = isinstance(t.checkpoint, ckpt.Layers) and "layernorm" in t.checkpoint.types
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's normalised input and rsqrt.

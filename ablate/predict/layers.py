@@ -80,6 +80,11 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int) -
     raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__}")
 
 
+def mlp_saves(a: Arch, sb: int, r: int, c: int, ln: int) -> float:
+    """Bytes a layer's MLP keeps for backward (freed as soon as the MLP's backward is done)."""
+    return _FULL[a.kind](a, sb, r, c, ln)[1]["mlp"]
+
+
 def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     """In units of s·b·h: ln_1 out 1c, qkv 3c (q, k, v are views of it), SDPA out 1c, x + attn 1ln
     (kept by ln_2), ln_2 out 1c, c_fc out 4c, GELU out 4c = 15, plus its input (ln_1 keeps its

@@ -77,6 +77,7 @@ class Sizes:
     rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
     inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
+    mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
@@ -182,15 +183,18 @@ class Step:
                 self.gather(z.block, "other")
             back = full - saved + (saved if self.z.offload_acts else 0)  # recomputed, or copied back from the host
             back += 0 if self.keeps_cast(saved) else self.z.block_cast  # cast again, or copied back
+            early = 0.0  # kept bytes freed before the recompute
             if z.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("activations", back)
                 tl.transient("other", z.inner_temp)  # d c_fc out and d GELU out alive together
-            else:  # only attention or norms: recomputed when backward reaches them, after the MLP's
-                tl.transient("other", z.inner_temp)
+            else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
+                tl.transient("other", z.inner_temp)  # whose saved tensors are gone by then
+                early = keep(z.mlp_saved)
+                tl.free("activations", early)
                 tl.alloc("activations", back)
             for n in self.block_names[i]:
                 self.grad(z.grads[n])
-            kept = keep(saved) + (self.z.block_cast if self.keeps_cast(saved) else 0)
+            kept = keep(saved) + (self.z.block_cast if self.keeps_cast(saved) else 0) - early
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0))  # and its input (x0 below)
             self.reduce(z.block, self.block_names[i], sync)
             self.release(z.block)
