@@ -94,7 +94,7 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m"])
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])
-@pytest.mark.parametrize("precision,accumulation", [("fp32", "none"), ("bf16_pure", "none"), ("fp32", "x4")])
+@pytest.mark.parametrize("precision,accumulation", [("fp32", "none"), ("bf16_pure", "none"), ("bf16", "none"), ("fp32", "x4")])
 def test_analytic_matches_memtracker_on_tiny_families(name, checkpoint, precision, accumulation):
     overrides = [*tiny(name), "data.vocab_size=128", "optimizer=adamw_foreach", f"checkpoint={checkpoint}",
                  f"precision={precision}", f"accumulation={accumulation}"]
@@ -155,3 +155,30 @@ def test_synthetic_data_draws_from_the_models_vocabulary():
     assert data.vocab_size == 128 and int(data.train_batch(0, 64)[0].max()) < 128
     with pytest.raises(Invalid, match="data.vocab_size=512 > the model's vocabulary of 128 tokens"):
         check_config(compose_config(tiny("smollm2-135m")), "cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
+    """The Done-when of bringing a model, as a user runs it: every checkpoint option, accumulation,
+    pure bf16, DDP and FSDP (2 gloo ranks) on a tiny version of the family, through the CLI.
+    Losses equal the plain run's wherever the technique must not change the math."""
+    base = [*tiny(name), "data.vocab_size=128", "steps=3"]
+    sweeps = {"checkpoint": ["checkpoint=none,block,every2,attention,mlp,ops,layers"],
+              "accumulation": ["accumulation=x4"], "precision": ["precision=bf16_pure"],
+              "parallel": ["parallel=ddp,fsdp", "parallel.nproc=2", "batch_size=2"]}
+    rows = {}
+    for group, args in sweeps.items():
+        proc = run_cli(["-m", *base, *args, f"hydra.sweep.dir={tmp_path}/{group}"], tmp_path, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for row in results_under(tmp_path / group):
+            assert row["status"] == "ok", (group, row["reason"])
+            rows[(group, row["choices"][group])] = row["metrics"]["losses"]
+    plain = rows[("checkpoint", "none")]
+    for option in ("block", "every2", "attention", "mlp", "ops", "layers"):
+        assert rows[("checkpoint", option)] == pytest.approx(plain, rel=1e-5), option
+    assert rows[("accumulation", "x4")] == pytest.approx(plain, rel=1e-4)
+    for parallel in ("ddp", "fsdp"):  # 2 ranks x 2 samples: the plain run's batch of 4
+        assert rows[("parallel", parallel)] == pytest.approx(plain, rel=1e-4), parallel
+    pure = rows[("precision", "bf16_pure")]
+    assert pure[-1] < pure[0] and pure != plain

@@ -103,7 +103,8 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     projections. Attention keeps q and k after rotary (new tensors: q·cos + rotate_half(q)·sin
     keeps only the shared cos and sin), v (a view of v_proj's output), SDPA's output and
     log-sum-exp; K and V have kv_heads heads, and SDPA takes them as they are (enable_gqa).
-    SwiGLU keeps gate and up outputs, SiLU's output and the product: 4 of (s·b·inter).
+    SwiGLU keeps gate and up outputs, SiLU's output and the product: 4 of (s·b·inter). Under
+    autocast, rotary's q·cos promotes q to the stream's fp32, and SDPA keeps its own casts of q and k.
     Per layer: ln_1's fp32 input (a copy when r != 4: the layer input then dies), normalised and
     output; attention; x + attn in fp32 (kept by ln_2: itself when r == 4, else a copy); ln_2's
     normalised and output; the MLP."""
@@ -112,7 +113,10 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
     attn = (q + 2 * kv + q) * c + lse  # q, k after rotary; v; SDPA out; lse
     mlp = 4 * sb * a.inter * c
-    full = sbh * (4 - r) + 2 * (norm + sbh * c) + attn + sbh * 4 + mlp
+    # Under autocast on an fp32 stream (r != c) each projection casts the norm's output itself
+    # (autocast caches casts of weights only): q, k and v keep 3 copies of ln_1's, gate and up 2 of ln_2's.
+    outs = (3 + 2 if r != c else 1 + 1) * sbh * c
+    full = sbh * (4 - r) + 2 * norm + outs + attn + sbh * 4 + mlp
     # A recomputed RMSNorm keeps only its input (r): its fp32 copy (when r != 4) goes too, and the
     # input it keeps is one that would have been kept or copied anyway.
     return full, {"attn": attn, "mlp": mlp, "norm": 2 * (sbh * 4 + rsqrt),
