@@ -11,6 +11,7 @@ from torch import nn
 from ablate.capacity import MemoryLimit
 from ablate.keytypes import check_types
 from ablate.models import Family
+from ablate.spec import RunSpec
 from ablate.techniques import Invalid, Plan
 
 TECHNIQUE_GROUPS = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer")
@@ -30,8 +31,9 @@ class Techniques:
     optimizer: Any
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "Techniques":
-        return cls(**{group: instantiate(cfg[group]) for group in ("model", *TECHNIQUE_GROUPS)})
+    def of(cls, spec: RunSpec) -> "Techniques":
+        """Every option built anew from the spec's option nodes (options are stateful: a fresh set each time)."""
+        return cls(**{group: instantiate(spec.groups[group]) for group in ("model", *TECHNIQUE_GROUPS)})
 
     def check(self, plan: Plan) -> None:
         """Raise Invalid for the first option that cannot run under `plan`."""
@@ -39,38 +41,38 @@ class Techniques:
             getattr(self, group).check(plan)
 
 
-def plan_of(cfg: dict, device: str, t: Techniques) -> Plan:
+def plan_of(spec: RunSpec, device: str, t: Techniques) -> Plan:
     """What every option may know about the others when it checks itself."""
-    return Plan(device=device, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"],
+    return Plan(device=device, batch_size=spec.batch_size, seq_len=spec.seq_len,
                 world_size=t.parallel.world_size, accumulation_steps=t.accumulation.steps,
                 grad_scaler=t.precision.scales_loss, param_dtype=t.precision.param_dtype,
                 stochastic_rounding=t.precision.stochastic_rounding, sharded=t.parallel.shards_params,
                 in_backward=t.optimizer.in_backward)
 
 
-def check_config(cfg: dict, device: str | None = None) -> Techniques:
+def check_config(spec: RunSpec, device: str | None = None) -> Techniques:
     """Option values and their combination. `device` is the worker's (cpu, cuda). Without one (the
     job, which never touches CUDA) a config that says device=cpu gets the CPU's rules at once, and
     the other device-specific rules wait for the worker, which calls this again with its device."""
-    device = device or ("cpu" if cfg["device"] == "cpu" else "auto")
+    device = device or ("cpu" if spec.device == "cpu" else "auto")
     for group in ("model", *TECHNIQUE_GROUPS, "data"):
-        check_types(group, cfg[group])
-    t = Techniques.from_config(cfg)
-    data = instantiate(cfg["data"])  # its own checks (data.branching <= data.vocab_size); loading waits for the worker
+        check_types(group, spec.groups[group])
+    t = Techniques.of(spec)
+    data = instantiate(spec.groups["data"])  # its own checks (data.branching <= data.vocab_size); loading waits for the worker
     if (getattr(data, "vocab_size", None) or 0) > t.model.vocab_size:
         raise Invalid(f"data.vocab_size={data.vocab_size} > the model's vocabulary of {t.model.vocab_size} tokens")
     for key in ("batch_size", "seq_len", "steps", "samples"):  # steps=0 would report an ok run that timed nothing
-        if cfg.get(key) is not None and cfg[key] < 1:
-            raise Invalid(f"{key}={cfg[key]} must be >= 1")
-    if cfg["warmup_steps"] < 0:
-        raise Invalid(f"warmup_steps={cfg['warmup_steps']} must be >= 0")
-    if cfg["timeout_s"] <= 0:  # else a timeout row for a worker killed before it could start
-        raise Invalid(f"timeout_s={cfg['timeout_s']} must be > 0 (seconds one worker may run)")
-    if cfg.get("gpu_memory_gib") is not None:
-        MemoryLimit(cfg["gpu_memory_gib"], torch.device("cpu"))  # rejects a card smaller than the CUDA context
-    if cfg["compile"] and cfg["warmup_steps"] < 2:
+        if getattr(spec, key) is not None and getattr(spec, key) < 1:
+            raise Invalid(f"{key}={getattr(spec, key)} must be >= 1")
+    if spec.warmup_steps < 0:
+        raise Invalid(f"warmup_steps={spec.warmup_steps} must be >= 0")
+    if spec.timeout_s <= 0:  # else a timeout row for a worker killed before it could start
+        raise Invalid(f"timeout_s={spec.timeout_s} must be > 0 (seconds one worker may run)")
+    if spec.gpu_memory_gib is not None:
+        MemoryLimit(spec.gpu_memory_gib, torch.device("cpu"))  # rejects a card smaller than the CUDA context
+    if spec.compile and spec.warmup_steps < 2:
         raise Invalid("compile=true needs warmup_steps >= 2: the first compiles, the last is traced")
-    t.check(plan_of(cfg, device, t))
+    t.check(plan_of(spec, device, t))
     return t
 
 

@@ -27,11 +27,11 @@ def usable_mib(gpu_mib: float) -> float:
     return gpu_mib - CUDA_CONTEXT_MIB
 
 
-def capacity_mib(config: dict, gpu_total_mib: float | None) -> float | None:
-    """The allocator budget of one rank: the emulated card's, else that of the GPU the point runs on
-    (`gpu_total_mib`, None for none, e.g. device=cpu). None: unknown."""
-    if config.get("gpu_memory_gib"):
-        return usable_mib(config["gpu_memory_gib"] * 1024)
+def capacity_mib(gpu_memory_gib: float | None, gpu_total_mib: float | None) -> float | None:
+    """The allocator budget of one rank: the emulated card's (`gpu_memory_gib`), else that of the
+    GPU the point runs on (`gpu_total_mib`, None for none, e.g. device=cpu). None: unknown."""
+    if gpu_memory_gib:
+        return usable_mib(gpu_memory_gib * 1024)
     return usable_mib(gpu_total_mib) if gpu_total_mib else None
 
 

@@ -25,6 +25,7 @@ from ablate.console import Progress
 from ablate.predict import Prediction, predict
 from ablate.predict.timeline import Unmodelled
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
+from ablate.spec import RunSpec
 from ablate.techniques import Invalid
 from launch.local import Outcome, pass_on_stop, run_worker
 from launch.nvml import gpu_total_mib, visible_gpu_count
@@ -77,29 +78,30 @@ def resolve_nproc(config: dict) -> None:
             parallel["nproc"] = gpus or 2
 
 
-def launch(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
-    spec = {"config": config, "run_dir": str(run_dir), "overrides": overrides}
+def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
+    """Start the worker (or torchrun) on run_dir/spec.json: the resolved config it rebuilds the spec from."""
     run_dir.mkdir(parents=True, exist_ok=True)  # find_batch probes run in subdirectories
     spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
+    spec_path.write_text(json.dumps({"config": spec.to_config(), "run_dir": str(run_dir), "overrides": overrides},
+                                    indent=2))
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
-    parallel = config["parallel"]
+    parallel = spec.groups["parallel"]
     distributed = not parallel["_target_"].endswith(".Single")  # the others run their ranks under torchrun
     module = "launch.torchrun" if distributed else "ablate.worker"
     world = parallel["nproc"] * parallel["nodes"] if distributed else 1
-    env = {"PYTORCH_CUDA_ALLOC_CONF": config["alloc_conf"]} if config["alloc_conf"] else {}
-    return run_worker([sys.executable, "-m", module, str(spec_path)], run_dir, config["timeout_s"],
+    env = {"PYTORCH_CUDA_ALLOC_CONF": spec.alloc_conf} if spec.alloc_conf else {}
+    return run_worker([sys.executable, "-m", module, str(spec_path)], run_dir, spec.timeout_s,
                       world_size=world, on_event=progress, env=env)
 
 
-def validate(config: dict) -> Outcome | None:
+def validate(spec: RunSpec) -> Outcome | None:
     """An `invalid` outcome for a combination that cannot run; None if it can."""
-    if config["parallel"]["nproc"] == "auto":  # left so by resolve_nproc: device=cuda, no GPU here
+    if spec.groups["parallel"]["nproc"] == "auto":  # left so by resolve_nproc: device=cuda, no GPU here
         return Outcome("invalid", "parallel.nproc=auto counts the GPUs in sight, and with device=cuda this "
                                   "machine has none: give parallel.nproc=N, the GPUs per node to plan "
                                   "(predict_only=true) or run for")
     try:
-        check_config(config)
+        check_config(spec)
     except Exception as exc:  # Invalid, or an option rejecting its keys (instantiate's TypeError)
         cause = exc.__cause__ or exc  # instantiate wraps what the option's constructor raised
         named = isinstance(cause, Invalid) or cause is exc  # an Invalid's message names its key itself
@@ -107,27 +109,27 @@ def validate(config: dict) -> Outcome | None:
     return None
 
 
-def run_once(config: dict, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
+def run_once(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
     """Validate, then run. An invalid combination never starts a worker."""
-    invalid = validate(config)
+    invalid = validate(spec)
     if invalid:
         return invalid
     try:
-        return launch(config, run_dir, overrides, progress)
+        return launch(spec, run_dir, overrides, progress)
     except Exception as exc:  # our own failure to launch is still a row, never a lost point
         return Outcome("error", f"launch failed: {type(exc).__name__}: {exc}")
 
 
-def predicted(config: dict) -> Prediction | None:
+def predicted(spec: RunSpec) -> Prediction | None:
     """The point's predicted memory; a method that fails falls back to the analytic model, one the
     analytic model has no sizes for (a model family it does not describe) to the trace, and a
     prediction that cannot be made is a warning, never a lost point."""
-    methods = [] if config["predict"] == "none" else list(dict.fromkeys([config["predict"], "analytic"]))
-    if config["device"] == "auto" and not config["predict_only"] and not visible_gpu_count():
-        config = {**config, "device": "cpu"}  # this point is about to run here, on the CPU
+    methods = [] if spec.predict == "none" else list(dict.fromkeys([spec.predict, "analytic"]))
+    if spec.device == "auto" and not spec.predict_only and not visible_gpu_count():
+        spec = spec.replace(device="cpu")  # this point is about to run here, on the CPU
     for method in methods:
         try:
-            return predict(config, method)
+            return predict(spec, method)
         except Unmodelled as exc:  # e.g. a model family it has no layer sizes for: the trace runs any
             print(f"note: {exc}; predicting with predict=trace instead", file=sys.stderr)
             if "trace" not in methods:
@@ -149,7 +151,7 @@ def plan_outcome(prediction: Prediction | None, capacity: float | None) -> Outco
                           f"({1 - find_batch.MARGIN:.0%} of {capacity:,.0f} MiB usable); not run (predict_only)")
 
 
-def outcome_of(config: dict, run_dir: Path, overrides: list[str],
+def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
                progress: Progress) -> tuple[Outcome, Prediction | None]:
     """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search
     (under predict_only, a search of predictions).
@@ -157,33 +159,33 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
     A batch search is pruned only when its smallest micro-batch is predicted not to fit, and its
     prediction is of the micro-batch its row measures (the largest that fits), so that predicted
     and measured peaks compare like with like."""
-    invalid = validate(config)
+    invalid = validate(spec)
     if invalid:
         return invalid, None
-    gpu_mib = gpu_total_mib() if config["device"] != "cpu" else None
-    capacity = capacity_mib(config, gpu_mib)
+    gpu_mib = gpu_total_mib() if spec.device != "cpu" else None
+    capacity = capacity_mib(spec.gpu_memory_gib, gpu_mib)
     # A row no worker ran still names the card it was judged against (as a worker's env would).
     judged = {"gpu_total_mib": gpu_mib,
-              "emulated_gpu_mib": config["gpu_memory_gib"] * 1024 if config.get("gpu_memory_gib") else None}
-    if config["predict_only"] and config["find_batch"]:
-        outcome, prediction = find_batch.planned(config, capacity, predicted)
+              "emulated_gpu_mib": spec.gpu_memory_gib * 1024 if spec.gpu_memory_gib else None}
+    if spec.predict_only and spec.find_batch:
+        outcome, prediction = find_batch.planned(spec, capacity, predicted)
         return replace(outcome, env=judged), prediction
-    if config["predict_only"]:
-        prediction = predicted(config)
+    if spec.predict_only:
+        prediction = predicted(spec)
         return replace(plan_outcome(prediction, capacity), env=judged), prediction
-    searched = config["find_batch"]
-    prediction = predicted(find_batch.with_micro_batch(config, 1) if searched else config)  # 1 divides every batch
-    if config["prune"] and prediction and capacity and prediction.peak_mib > capacity * (1 + config["prune_margin"]):
+    searched = spec.find_batch
+    prediction = predicted(spec.with_micro_batch(1) if searched else spec)  # 1 divides every batch
+    if spec.prune and prediction and capacity and prediction.peak_mib > capacity * (1 + spec.prune_margin):
         at = " at micro-batch 1" if searched else ""
         return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
-                              f"(+{config['prune_margin']:.0%} margin); not run", env=judged), prediction
+                              f"(+{spec.prune_margin:.0%} margin); not run", env=judged), prediction
     if not searched:
-        return run_once(config, run_dir, overrides, progress), prediction
-    outcome = find_batch.measured(config, capacity, run_dir,
-                                  lambda cfg, where: run_once(cfg, where, overrides, progress))
+        return run_once(spec, run_dir, overrides, progress), prediction
+    outcome = find_batch.measured(spec, capacity, run_dir,
+                                  lambda probe, where: run_once(probe, where, overrides, progress))
     best = outcome.metrics.get("max_batch_size")
     if best and best > 1:
-        prediction = predicted(find_batch.with_micro_batch(config, best))
+        prediction = predicted(spec.with_micro_batch(best))
     return outcome, prediction
 
 
@@ -191,7 +193,8 @@ def outcome_of(config: dict, run_dir: Path, overrides: list[str],
 class Point:
     """One grid point as the job and the launcher see it, before anything runs."""
 
-    config: dict  # resolved, without the hydra node
+    config: dict  # resolved, without the hydra node: what result.json records and run_id hashes
+    spec: RunSpec  # the same, typed: what everything below the job reads
     choices: dict  # group -> option name
     overrides: list[str]
     run_id: str
@@ -206,7 +209,7 @@ class Point:
         resolve_nproc(config)
         resolve_alloc_conf(config)
         rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
-        return cls(config, {g: hydra.runtime.choices.get(g) for g in GROUPS}, list(hydra.overrides.task), rid,
+        return cls(config, RunSpec.of(config), {g: hydra.runtime.choices.get(g) for g in GROUPS}, list(hydra.overrides.task), rid,
                    run_dir, hydra.job.override_dirname or "defaults")
 
     def record(self, status: str, reason: str | None, metrics: dict | None = None, env: dict | None = None,
@@ -258,7 +261,7 @@ def run_point(cfg: DictConfig) -> dict:
         return result
 
     started, t0 = datetime.now(timezone.utc), time.monotonic()
-    outcome, prediction = outcome_of(point.config, point.run_dir, point.overrides, progress)
+    outcome, prediction = outcome_of(point.spec, point.run_dir, point.overrides, progress)
     timing = {"started_at": started.isoformat(), "finished_at": datetime.now(timezone.utc).isoformat(),
               "wall_s": time.monotonic() - t0}
     if int(os.environ.get("SLURM_PROCID", 0)) != 0:

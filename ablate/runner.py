@@ -16,6 +16,7 @@ from ablate.capacity import MemoryLimit
 from ablate.data import TokenData
 from ablate.events import EventWriter
 from ablate.hardware import flops_per_token, peak_tflops
+from ablate.spec import RunSpec
 from ablate.techniques import Invalid
 from ablate.train import evaluate, train_step
 
@@ -36,9 +37,9 @@ class Trained:
     skipped_steps: int | None = None  # optimizer steps the GradScaler skipped (inf/nan gradients)
 
 
-def load_data(cfg: dict, t: Techniques) -> TokenData:
+def load_data(spec: RunSpec, t: Techniques) -> TokenData:
     vocab = t.model.vocab_size
-    data = instantiate(cfg["data"]).load(cfg["seq_len"], vocab)
+    data = instantiate(spec.groups["data"]).load(spec.seq_len, vocab)
     if data.vocab_size > vocab:
         raise Invalid(f"the data has {data.vocab_size} token ids > the model's vocabulary of {vocab} tokens")
     return data
@@ -64,18 +65,18 @@ def rank_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
     return stacked.tolist()
 
 
-def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, events: EventWriter,
+def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, events: EventWriter,
           before_first_step=lambda: None) -> tuple[torch.nn.Module, Trained]:
     mem = measure.DeviceMemory(device)
     events.emit("phase", phase="init")
     mem.reset()
-    model = build_model(t, device, compile=cfg["compile"])
+    model = build_model(t, device, compile=spec.compile)
     optimizer = build_optimizer(model, t)
     init_peak = mem.peak_allocated_mib()
     scaler = t.precision.grad_scaler(device.type)
     optimizer_steps = measure.StepCounter(optimizer)
-    B, rank, world, warmup = cfg["batch_size"], t.parallel.rank, t.parallel.world_size, cfg["warmup_steps"]
-    steps = math.ceil(cfg["samples"] / (B * world)) if cfg.get("samples") else cfg["steps"]
+    B, rank, world, warmup = spec.batch_size, t.parallel.rank, t.parallel.world_size, spec.warmup_steps
+    steps = math.ceil(spec.samples / (B * world)) if spec.samples else spec.steps
 
     def step(k: int) -> torch.Tensor:  # rank r trains on the r-th slice of global batch k
         return train_step(model, optimizer, scaler, t, data.train_batch(k, B, rank, world), device)
@@ -118,7 +119,7 @@ def train(cfg: dict, t: Techniques, data: TokenData, device: torch.device, event
     taken = optimizer_steps.count
     return model, Trained(steps=steps, times_ms=timer.times_ms(), peaks=peaks, breakdown=breakdown,
                           losses=rank_mean(losses, device), init_peak_mib=init_peak,
-                          compile_s=first_step_s if cfg["compile"] else None,
+                          compile_s=first_step_s if spec.compile else None,
                           skipped_steps=warmup + steps - taken if taken is not None else None)
 
 
@@ -127,16 +128,16 @@ def _max(values: list):
     return max(known) if known else None
 
 
-def metrics(cfg: dict, t: Techniques, run: Trained, ranks: list[dict], eval_loss: float | None,
+def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_loss: float | None,
             loss_floor: float | None, gpu_name: str | None) -> dict:
     """The result's metrics on rank 0; `ranks` holds every rank's peaks, times and init peak."""
-    B, world, T = cfg["batch_size"], t.parallel.world_size, cfg["seq_len"]
+    B, world, T = spec.batch_size, t.parallel.world_size, spec.seq_len
     seconds = max(sum(r["times_ms"]) for r in ranks) / 1e3  # the slowest rank sets the pace
     tokens = run.steps * B * world * T
     # Counted on the meta device, not on the (possibly sharded) model.
     tflops = flops_per_token(t.model.flops_params(), *t.model.dims(), T) * tokens / seconds / world / 1e12 \
         if seconds else None
-    peak = peak_tflops(gpu_name, t.precision.compute_dtype, cfg.get("peak_tflops"))
+    peak = peak_tflops(gpu_name, t.precision.compute_dtype, spec.peak_tflops)
     mfu = tflops / peak if peak and tflops is not None else None
     tail = run.losses[-max(1, run.steps // 10):]  # loss_final: mean of the last 10% of steps
     return {
@@ -165,21 +166,22 @@ def metrics(cfg: dict, t: Techniques, run: Trained, ranks: list[dict], eval_loss
     }
 
 
-def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict | None:
-    """The whole grid point on this rank; rank 0 returns {"metrics", "env"} for the result event."""
-    cfg = spec["config"]
-    device = pick_device(cfg["device"])
-    t = check_config(cfg, device.type)
+def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict | None:
+    """The whole grid point on this rank (`job`: the spec.json the job wrote); rank 0 returns
+    {"metrics", "env"} for the result event."""
+    spec = RunSpec.of(job["config"])
+    device = pick_device(spec.device)
+    t = check_config(spec, device.type)
     device = t.parallel.setup(device)
-    limit = MemoryLimit(cfg.get("gpu_memory_gib"), device)  # an emulated smaller GPU, if asked for
+    limit = MemoryLimit(spec.gpu_memory_gib, device)  # an emulated smaller GPU, if asked for
     limit.apply()
-    data = load_data(cfg, t)
-    torch.manual_seed(cfg["seed"])
+    data = load_data(spec, t)
+    torch.manual_seed(spec.seed)
     t.precision.setup()
-    model, trained = train(cfg, t, data, device, events, before_first_step)
+    model, trained = train(spec, t, data, device, events, before_first_step)
     limit.check(trained.peaks["peak_allocated_mib"])
     events.emit("phase", phase="eval")
-    eval_loss = evaluate(model, data, cfg["batch_size"], t, device)
+    eval_loss = evaluate(model, data, spec.batch_size, t, device)
     mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
             "host_peak_rss_mib": measure.host_peak_rss_mib()}
     ranks = all_ranks(mine)
@@ -198,4 +200,4 @@ def run(spec: dict, events: EventWriter, before_first_step=lambda: None) -> dict
         "world_size": t.parallel.world_size,
         **limit.env(),
     }
-    return {"metrics": metrics(cfg, t, trained, ranks, eval_loss, data.loss_floor, gpu_name), "env": env}
+    return {"metrics": metrics(spec, t, trained, ranks, eval_loss, data.loss_floor, gpu_name), "env": env}

@@ -100,7 +100,7 @@ def option_defaults(group: str, option: str) -> dict:
 def _option_keys(group: str) -> list[str]:
     """Every key any option of `group` takes (conf/<group>/*.yaml), for checking a command line."""
     keys = {k for path in (CONF / group).glob("*.yaml") for k in option_defaults(group, path.stem)}
-    return sorted(k for k in keys if not str(k).startswith("_"))
+    return sorted(k for k in keys if not str(k).startswith("_") and k != "defaults")  # defaults: Hydra's list
 
 
 def unknown_key(argv: list[str]) -> str | None:

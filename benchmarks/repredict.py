@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/repredict.py` without
 
 from ablate.job import git_sha  # noqa: E402  (needs ROOT on the path)
 from ablate.predict.analytic import analytic  # noqa: E402
+from ablate.spec import RunSpec  # noqa: E402
 from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
 
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device")
@@ -70,8 +71,9 @@ def repredict(runs_csv: Path) -> pd.DataFrame:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for _, row in df[df["status"] == "ok"].iterrows():
             line = overrides(preset, row)
-            cfg = OmegaConf.to_container(compose(config_name="config", overrides=line), resolve=True)
-            measured, then, now = row["peak_allocated_mib"], row["predicted_peak_mib"], analytic(cfg).peak_mib
+            cfg = OmegaConf.to_container(compose(config_name="config", overrides=line), resolve=True, enum_to_str=True)
+            now = analytic(RunSpec.of(cfg)).peak_mib
+            measured, then = row["peak_allocated_mib"], row["predicted_peak_mib"]
             rows.append({"Setting": " ".join(line[1:]), "Measured (MiB)": measured,
                          "Recorded prediction (MiB)": then, "Recorded error": f"{100 * (then / measured - 1):+.1f}%",
                          "Prediction now (MiB)": now, "Error now": f"{100 * (now / measured - 1):+.1f}%"})

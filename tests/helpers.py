@@ -34,6 +34,13 @@ def compose_config(overrides: list[str] = ()) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
+def compose_spec(overrides: list[str] = ()):
+    """The composed config as the job hands it down: a RunSpec."""
+    from ablate.spec import RunSpec
+
+    return RunSpec.of(compose_config(overrides))
+
+
 def run_cli(args: list[str], out_dir: Path, env: dict | None = None, timeout: float = 300,
             fast: bool = True) -> subprocess.CompletedProcess:
     """`python -m ablate ARGS` with outputs under out_dir; never raises on a non-zero exit."""
@@ -57,10 +64,11 @@ def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, s
 
     from ablate.build import build_model, build_optimizer, check_config
     from ablate.data import Synthetic
+    from ablate.spec import RunSpec
     from ablate.train import train_step
 
     cfg = compose_config([*fast_defaults(overrides), f"batch_size={batch_size}", f"seq_len={seq_len}", *overrides])
-    t = check_config(cfg, device)
+    t = check_config(RunSpec.of(cfg), device)
     data = Synthetic(vocab_size=128, train_samples=64).load(seq_len)
     torch.manual_seed(seed)
     t.precision.setup()

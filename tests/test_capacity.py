@@ -8,9 +8,10 @@ import pytest
 
 from ablate import results
 from ablate.capacity import CUDA_CONTEXT_MIB, MemoryLimit, largest_fitting, micro_batches
-from ablate.find_batch import MARGIN, with_micro_batch
+from ablate.find_batch import MARGIN
+from ablate.spec import RunSpec
 from ablate.predict.analytic import analytic
-from tests.helpers import FAST, ROOT, compose_config, results_under, run_cli
+from tests.helpers import FAST, ROOT, compose_spec, results_under, run_cli
 
 
 def gib_for(usable_mib: float) -> float:
@@ -19,7 +20,7 @@ def gib_for(usable_mib: float) -> float:
 
 
 def predicted_peak(*overrides: str) -> float:
-    return analytic(compose_config([*FAST, *overrides])).peak_mib
+    return analytic(compose_spec([*FAST, *overrides])).peak_mib
 
 
 def test_largest_fitting_is_a_binary_search():
@@ -109,7 +110,7 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     probes = {p["micro_batch"]: p["fits"] for p in row["metrics"]["find_batch"]}
     assert probes[8] and not probes[16] and len(probes) <= 3
     assert row["metrics"]["tokens_per_s"] > 0 and row["config"]["batch_size"] == 32
-    assert with_micro_batch(row["config"], 8)["accumulation"]["steps"] == 4
+    assert RunSpec.of(row["config"]).with_micro_batch(8).groups["accumulation"]["steps"] == 4
     # the prediction is of what was measured, micro-batch 8 (batch 32 whole would read +100%)
     assert row["prediction"]["peak_mib"] == pytest.approx(row["metrics"]["peak_allocated_mib"], rel=0.02)
     report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "full"], cwd=ROOT,
@@ -122,7 +123,7 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
 
 def test_find_batch_with_predict_only_plans_a_card_without_running(tmp_path):
     cuda = [*FAST, "device=cuda", "batch_size=32"]
-    at = {m: analytic(with_micro_batch(compose_config(cuda), m)).peak_mib for m in (8, 16)}
+    at = {m: analytic(compose_spec(cuda).with_micro_batch(m)).peak_mib for m in (8, 16)}
     usable = (at[8] + at[16]) / 2 / (1 - MARGIN)  # micro-batch 8 is predicted to fit, 16 not
     card = f"gpu_memory_gib={gib_for(usable)}"
     proc = run_cli(["-m", "device=cuda", "batch_size=32", "find_batch=true", "predict_only=true",
@@ -184,7 +185,7 @@ def test_batch_scan_stops_at_the_first_oom_and_records_the_rest_as_not_run(tmp_p
     """On an emulated card between the batch-4 and batch-7 peaks: 1, 2, 4 run, 7 runs out of
     memory, and 8 ... 64 are oom rows that never ran (nor will a rerun skip them as done)."""
     small = [*FAST[:5], "seq_len=32", "steps=1", "device=cpu"]  # the batch sizes are the scan's own
-    peak = {b: analytic(compose_config([*small, f"batch_size={b}"])).peak_mib for b in (4, 7)}
+    peak = {b: analytic(compose_spec([*small, f"batch_size={b}"])).peak_mib for b in (4, 7)}
     gib = gib_for((peak[4] + peak[7]) / 2)
     proc = run_cli(["-m", "experiment=batch_scan", *small, f"gpu_memory_gib={gib}"], tmp_path, fast=False)
     assert proc.returncode == 0, proc.stderr
@@ -202,7 +203,7 @@ def test_a_plan_with_a_capacity_stops_its_batch_scan_where_the_run_would(tmp_pat
     predicted, 7 is an oom that never ran (find_batch's 5% rule, so a plan agrees with its own
     find_batch), the rest not run after it; a later real sweep measures them all."""
     small = [*FAST[:5], "seq_len=32", "device=cuda"]
-    peak = {b: analytic(compose_config([*small, f"batch_size={b}"])).peak_mib for b in (4, 7)}
+    peak = {b: analytic(compose_spec([*small, f"batch_size={b}"])).peak_mib for b in (4, 7)}
     usable = (peak[4] + peak[7]) / 2 / (1 - MARGIN)
     proc = run_cli(["-m", "experiment=batch_scan", *small, "predict_only=true", f"gpu_memory_gib={gib_for(usable)}"],
                    tmp_path, fast=False)

@@ -15,7 +15,7 @@ from ablate.model import GPT, GPTConfig
 from ablate.models.gpt import ADAPTER as GPT_ADAPTER
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.checkpoint import Layers
-from helpers import compose_config, train_nano
+from helpers import compose_config, compose_spec, train_nano
 
 RECOMPUTE = ["block", "every2", "attention", "mlp", "ops", "layers"]
 ALL = ["none", *RECOMPUTE]
@@ -149,7 +149,7 @@ def test_every_n_wraps_every_nth_block():
 def test_unknown_layer_type_names_the_valid_choices():
     msg = "checkpoint.types: 'conv' is not one of layernorm, gelu, linear, attention"
     with pytest.raises(Invalid, match=msg):
-        check_config(compose_config(["checkpoint=layers", "checkpoint.types=[linear,conv]"]), "cpu")
+        check_config(compose_spec(["checkpoint=layers", "checkpoint.types=[linear,conv]"]), "cpu")
     with pytest.raises(Invalid, match=msg):
         Layers(types=["conv"]).apply(nano(), GPT_ADAPTER)
 
@@ -160,7 +160,7 @@ def test_unknown_layer_type_names_the_valid_choices():
 ])
 def test_bad_option_values_are_invalid(name, overrides, reason):
     with pytest.raises(Invalid, match=reason):
-        check_config(compose_config([f"checkpoint={name}", *overrides]), "cpu")
+        check_config(compose_spec([f"checkpoint={name}", *overrides]), "cpu")
     option(name).check(Plan(device="cpu", batch_size=8, seq_len=32))  # the YAML itself is valid
 
 

@@ -10,7 +10,7 @@ import pytest
 from hydra.utils import instantiate
 
 from ablate.build import check_config
-from helpers import ROOT, compose_config, results_under, run_cli
+from helpers import ROOT, compose_config, compose_spec, results_under, run_cli
 
 # The result contract as ../shared/DESIGN.md writes it; results.py must produce exactly these keys
 # (ablate adds loss_floor: the synthetic data's entropy floor; compile_s; skipped_steps).
@@ -165,4 +165,4 @@ def test_help_says_what_ablate_is_and_its_examples_are_valid_points():
     assert len(examples) >= 4
     for args in examples:
         overrides = [a.split(",")[0] for a in args if a != "-m"]
-        check_config(compose_config(overrides))
+        check_config(compose_spec(overrides))

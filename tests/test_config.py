@@ -9,11 +9,12 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
+from ablate.spec import RunSpec
 from ablate.build import TECHNIQUE_GROUPS, Techniques, check_config
 from ablate.keytypes import check_types
 from ablate.schema import GROUPS, unknown_key
 from ablate.techniques import Invalid
-from helpers import CONF, ROOT, compose_config
+from helpers import CONF, ROOT, compose_config, compose_spec
 
 # Options that are invalid next to the other groups' defaults, and the rule that says so.
 NEEDS_ANOTHER_GROUP = {("offload", "params"): "offload=params needs parallel=fsdp"}
@@ -39,13 +40,13 @@ def test_every_option_instantiates(group, option, tmp_path):
     assert type(built).__name__ == cfg[group]["_target_"].rsplit(".", 1)[1]
     if (group, option) in NEEDS_ANOTHER_GROUP:
         with pytest.raises(Invalid, match=NEEDS_ANOTHER_GROUP[group, option]):
-            check_config(cfg)
+            check_config(RunSpec.of(cfg))
     elif group in TECHNIQUE_GROUPS:
-        check_config(cfg)  # the default combination with this option is valid
+        check_config(RunSpec.of(cfg))  # the default combination with this option is valid
 
 
 def test_techniques_expose_the_loop_interface():
-    t = Techniques.from_config(compose_config())
+    t = Techniques.of(compose_spec())
     for name in ("autocast", "grad_scaler", "setup"):
         assert callable(getattr(t.precision, name))
     assert callable(t.accumulation.split) and callable(t.checkpoint.apply)
@@ -92,9 +93,9 @@ def test_cfg_job_prints_the_composed_config():
 
 def test_invalid_combination_names_the_keys():
     with pytest.raises(Invalid, match="batch_size=6 .*accumulation.steps=4"):
-        check_config(compose_config(["batch_size=6", "accumulation.steps=4"]))
+        check_config(compose_spec(["batch_size=6", "accumulation.steps=4"]))
     with pytest.raises(Invalid, match="seq_len=2048 > model.block_size=1024"):
-        check_config(compose_config(["seq_len=2048"]))
+        check_config(compose_spec(["seq_len=2048"]))
     # A run that measures no step is no result (steps=0 was an ok row with no timing at all).
     for bad, message in (("steps=0", "steps=0 must be >= 1"), ("samples=0", "samples=0 must be >= 1"),
                          ("warmup_steps=-1", "warmup_steps=-1 must be >= 0"),
@@ -102,8 +103,8 @@ def test_invalid_combination_names_the_keys():
                          ("model.n_head=5", "model.n_embd=192 is not divisible by model.n_head=5"),
                          ("compile=true warmup_steps=1", "compile=true needs warmup_steps >= 2")):
         with pytest.raises(Invalid, match=message):
-            check_config(compose_config(bad.split()))
-    check_config(compose_config(["warmup_steps=0", "samples=1"]))
+            check_config(compose_spec(bad.split()))
+    check_config(compose_spec(["warmup_steps=0", "samples=1"]))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -119,7 +120,7 @@ def test_invalid_combination_names_the_keys():
 def test_a_parallel_setting_that_cannot_run_is_invalid_before_any_rank_starts(overrides, message, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(Invalid, match=message):
-        check_config(compose_config(overrides.split()))
+        check_config(compose_spec(overrides.split()))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -133,13 +134,13 @@ def test_a_parallel_setting_that_cannot_run_is_invalid_before_any_rank_starts(ov
 ])
 def test_an_option_key_of_the_wrong_type_is_named_before_anything_is_built(override, message):
     with pytest.raises(Invalid, match=re.escape(message)):
-        check_config(compose_config([override]))
+        check_config(compose_spec([override]))
 
 
 def test_option_keys_of_the_annotated_types_pass_the_type_check():
     for overrides in (["optimizer.lr=1"], ["optimizer.betas=[0.9,0.99]"], ["parallel=ddp", "parallel.nproc=auto"],
                       ["checkpoint=layers", "checkpoint.types=[gelu]"], ["optimizer=sgd", "optimizer.momentum=0.9"]):
-        check_config(compose_config(overrides))
+        check_config(compose_spec(overrides))
 
 
 def test_hydra_writes_sweeps_under_outputs_not_multirun():

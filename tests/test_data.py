@@ -9,7 +9,7 @@ import torch
 
 from ablate.data import Chars, Synthetic, Tokens
 from ablate.job import validate
-from tests.helpers import compose_config
+from tests.helpers import compose_spec
 
 
 def test_synthetic_is_seeded_and_shifted():
@@ -82,5 +82,5 @@ def test_data_too_short_or_a_chain_wider_than_its_vocabulary_names_the_key(tmp_p
     f.write_text("abc" * 10)
     with pytest.raises(ValueError, match="data.path: the train split has 27 tokens, needs more than seq_len=64"):
         Chars(str(f)).load(64)
-    outcome = validate(compose_config(["data.vocab_size=8", "model.vocab_size=8", "data.branching=9"]))
+    outcome = validate(compose_spec(["data.vocab_size=8", "model.vocab_size=8", "data.branching=9"]))
     assert (outcome.status, outcome.reason) == ("invalid", "data.branching=9 > data.vocab_size=8")

@@ -9,17 +9,19 @@ import pytest
 
 from ablate import find_batch
 from ablate.predict import Prediction
+from ablate.spec import RunSpec
 from launch.local import Outcome
+from tests.helpers import compose_spec
 
 CAPACITY = 1000.0  # MiB; fits under the margin: peak <= 950
 
 
-def config(batch_size: int = 32) -> dict:
-    return {"batch_size": batch_size, "accumulation": {"steps": 1}, "find_batch": True, "steps": 50, "samples": None}
+def config(batch_size: int = 32) -> RunSpec:
+    return compose_spec([f"batch_size={batch_size}", "find_batch=true", "steps=50"])
 
 
-def micro_of(cfg: dict) -> int:
-    return cfg["batch_size"] // cfg["accumulation"]["steps"]
+def micro_of(cfg: RunSpec) -> int:
+    return cfg.batch_size // cfg.groups["accumulation"]["steps"]
 
 
 class FakeRuns:
@@ -31,10 +33,10 @@ class FakeRuns:
         self.mib_per_sample, self.status, self.reason, self.peak_key = mib_per_sample, status, reason, peak_key
         self.calls: list[tuple[int, int, str]] = []  # (micro-batch, steps, directory name)
 
-    def __call__(self, cfg: dict, where) -> Outcome:
+    def __call__(self, cfg: RunSpec, where) -> Outcome:
         micro = micro_of(cfg)
-        assert cfg["find_batch"] is False  # a probe never searches again
-        self.calls.append((micro, cfg["steps"], where.name))
+        assert cfg.find_batch is False  # a probe never searches again
+        self.calls.append((micro, cfg.steps, where.name))
         metrics = {self.peak_key: micro * self.mib_per_sample} if self.status == "ok" else {}
         return Outcome(self.status, self.reason, metrics)
 

@@ -9,7 +9,7 @@ from ablate.data import Synthetic
 from ablate.measure import MIB, traced_step
 from ablate.predict.analytic import CUBLAS_WORKSPACES, analytic
 from ablate.train import train_step
-from helpers import compose_config, results_under, run_cli, train_nano
+from helpers import compose_spec, results_under, run_cli, train_nano
 
 pytestmark = pytest.mark.gpu
 
@@ -113,7 +113,7 @@ def test_an_emulated_card_runs_out_of_memory_for_real_and_a_big_one_fits(tmp_pat
     """gpu_memory_gib caps the real caching allocator: a point predicted at twice the emulated
     card's budget fails with a genuine CUDA OOM (a row, not a crash), at half of it it runs, and
     what it reserved stays inside the cap."""
-    peak = analytic(compose_config([*GPT2_1024, "batch_size=8"])).peak_mib
+    peak = analytic(compose_spec([*GPT2_1024, "batch_size=8"])).peak_mib
     small, big = _gib(peak / 2), _gib(peak * 2)
     proc = run_cli(["-m", *GPT2_1024, "batch_size=8", f"gpu_memory_gib={small},{big}"], tmp_path, fast=False,
                    timeout=600)
@@ -128,7 +128,7 @@ def test_an_emulated_card_runs_out_of_memory_for_real_and_a_big_one_fits(tmp_pat
 def test_find_batch_on_a_gpu_measures_a_micro_batch_that_fits_the_card(tmp_path):
     """On a card sized for about micro-batch 4, the search settles on a micro-batch whose probe
     fit and whose double did not, and the measured run at it stays inside the cap."""
-    gib = _gib(1.3 * analytic(compose_config([*GPT2_1024, "batch_size=4"])).peak_mib)
+    gib = _gib(1.3 * analytic(compose_spec([*GPT2_1024, "batch_size=4"])).peak_mib)
     proc = run_cli([*GPT2_1024, "batch_size=32", "find_batch=true", f"gpu_memory_gib={gib}"], tmp_path, fast=False,
                    timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,7 @@ import torch
 from ablate.build import check_config
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.offload import Activations, OptimizerState, Params
-from helpers import compose_config, train_nano
+from helpers import compose_spec, train_nano
 
 
 def test_activation_offload_gives_identical_losses():
@@ -33,7 +33,7 @@ def test_activation_offload_installs_pack_hooks_for_the_forward_only():
 ])
 def test_device_only_offload_is_invalid_on_cpu(overrides, reason):
     with pytest.raises(Invalid, match=reason):
-        check_config(compose_config(overrides), "cpu")
+        check_config(compose_spec(overrides), "cpu")
 
 
 def test_offload_rules_by_plan():

@@ -17,7 +17,7 @@ from ablate.measure import StepCounter, traced_step
 from ablate.model import GPT, GPTConfig
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.optimizer import SGD, Adafactor, AdamW, AdamW8bit, InBackward
-from helpers import ROOT, compose_config, train_nano
+from helpers import ROOT, compose_config, compose_spec, train_nano
 
 CPU = torch.device("cpu")
 # MemTracker's own post-accumulate-grad hook reads p.grad after the in-backward hook has freed it.
@@ -160,8 +160,8 @@ def test_invalid_combinations_name_their_keys(opt, kw, match):
 def test_checking_the_values_leaves_torch_dynamo_unimported():
     """A torch optimizer built with a parameter imports torch._dynamo: 1.1 s in every job process
     (it made the suite 3 minutes slower). The values are checked without one."""
-    code = ("import sys; from helpers import compose_config; from ablate.build import check_config; "
-            "[check_config(compose_config([f'optimizer={o}'])) for o in ('adamw', 'sgd', 'adafactor')]; "
+    code = ("import sys; from helpers import compose_spec; from ablate.build import check_config; "
+            "[check_config(compose_spec([f'optimizer={o}'])) for o in ('adamw', 'sgd', 'adafactor')]; "
             "sys.exit('torch._dynamo' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": f"{ROOT / 'tests'}"},
                           capture_output=True, text=True, timeout=120)
@@ -177,7 +177,7 @@ def test_valid_combinations_pass_check():
 
 def test_in_backward_rule_reaches_a_composed_config():
     with pytest.raises(Invalid, match="optimizer.in_backward=true needs accumulation=none"):
-        check_config(compose_config(["optimizer.in_backward=true", "accumulation=x4"]), "cpu")
+        check_config(compose_spec(["optimizer.in_backward=true", "accumulation=x4"]), "cpu")
 
 
 @pytest.mark.parametrize("overrides, invalid", [
@@ -187,7 +187,7 @@ def test_in_backward_rule_reaches_a_composed_config():
 def test_adafactor_rule_reaches_composed_parallel_options(overrides, invalid):
     # A real 2-rank gloo run of adafactor under parallel=fsdp fails in step() (DTensor rejects
     # aten.pow_ on a _NormPartial column norm); under fsdp1 its losses leave DDP's at step 2.
-    cfg = compose_config(["optimizer=adafactor", "parallel.nproc=2", *overrides])
+    cfg = compose_spec(["optimizer=adafactor", "parallel.nproc=2", *overrides])
     expect = pytest.raises(Invalid, match="optimizer=adafactor needs whole parameters")
     with expect if invalid else contextlib.nullcontext():
         check_config(cfg, "cpu")

@@ -4,13 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ablate.spec import RunSpec
+
 from ablate.build import check_config
 from ablate.measure import StepCounter
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.precision import BF16, FP16, FP32, TF32, BF16Pure
 from ablate.train import train_step
 from ablate.data import Synthetic
-from helpers import compose_config, train_nano
+from helpers import compose_config, compose_spec, train_nano
 
 
 def test_accumulation_x4_matches_one_batch():
@@ -23,9 +25,9 @@ def test_accumulation_x4_matches_one_batch():
 
 
 def test_accumulation_steps_key_and_divisibility():
-    assert check_config(compose_config(["accumulation.steps=3", "batch_size=6"])).accumulation.steps == 3
+    assert check_config(compose_spec(["accumulation.steps=3", "batch_size=6"])).accumulation.steps == 3
     with pytest.raises(Invalid, match="batch_size=8 is not divisible by accumulation.steps=3"):
-        check_config(compose_config(["accumulation.steps=3", "batch_size=8"]))
+        check_config(compose_spec(["accumulation.steps=3", "batch_size=8"]))
 
 
 @pytest.mark.parametrize("option", ["tf32", "bf16", "fp16"])
@@ -71,7 +73,7 @@ def test_init_on_device_allocates_in_the_target_dtype_and_keeps_the_tie(option):
 
 def test_fp16_scaler_skips_overflowing_steps_and_they_are_counted():
     cfg = compose_config(["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "precision=fp16"])
-    t = check_config(cfg, "cpu")
+    t = check_config(RunSpec.of(cfg), "cpu")
     from ablate.build import build_model, build_optimizer
 
     model = build_model(t, torch.device("cpu"))

@@ -12,7 +12,7 @@ from ablate.predict import predict
 from ablate.predict.analytic import analytic
 from ablate.predict.trace import trace
 from ablate.train import train_step
-from tests.helpers import compose_config
+from tests.helpers import compose_spec
 
 MIB = 2**20
 # gpt-nano with a small vocabulary, so that the blocks' activations are not drowned by the logits.
@@ -21,8 +21,8 @@ NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device
 
 def measured(overrides: list[str], base: list[str] = NANO) -> measure.Trace:
     """MemTracker on the second real step of the point (the first allocates optimizer states)."""
-    cfg = compose_config([*base, *overrides])
-    t = check_config(cfg, "cpu")
+    spec = compose_spec([*base, *overrides])
+    t = check_config(spec, "cpu")
     torch.manual_seed(0)
     cpu = torch.device("cpu")
     model = build_model(t, cpu)
@@ -30,7 +30,7 @@ def measured(overrides: list[str], base: list[str] = NANO) -> measure.Trace:
     scaler = t.precision.grad_scaler("cpu")
 
     def step():
-        batch = torch.randint(0, cfg["data"]["vocab_size"], (2, cfg["batch_size"], cfg["seq_len"]))  # made inside the step, as in runs
+        batch = torch.randint(0, spec.groups["data"]["vocab_size"], (2, spec.batch_size, spec.seq_len))  # made inside the step, as in runs
         train_step(model, optimizer, scaler, t, (batch[0], batch[1]), cpu)
 
     step()
@@ -47,7 +47,7 @@ def test_analytic_matches_memtracker(optimizer, precision, checkpoint, accumulat
     overrides = [f"optimizer={optimizer}", f"precision={precision}", f"checkpoint={checkpoint}",
                  f"accumulation={accumulation}"]
     real = measured(overrides)
-    pred = analytic(compose_config([*NANO, *overrides]))
+    pred = analytic(compose_spec([*NANO, *overrides]))
     # Bytes, exactly: parameters, the gradient set (with a micro-step's gradient being added in
     # under accumulation), and the optimizer states left once the step is over.
     assert pred.category_max_mib["params"] * MIB == real.category_max["params"] * MIB
@@ -77,7 +77,7 @@ RANKS = ["model=gpt-nano", "model.vocab_size=131", "data.vocab_size=128", "devic
     ("fsdp_grad_op", ["accumulation=x4", "parallel.sync_each_micro_step=false"]),
 ], ids=lambda o: ",".join(o) if isinstance(o, list) else o)
 def test_analytic_matches_a_traced_rank_of_ddp_and_fsdp(parallel, overrides):
-    cfg = compose_config([*RANKS, f"parallel={parallel}", "parallel.nproc=2", *overrides])
+    cfg = compose_spec([*RANKS, f"parallel={parallel}", "parallel.nproc=2", *overrides])
     pred, rank = analytic(cfg), trace(cfg)
     # Bytes, exactly: this rank's parameter shards and optimizer states once the step is over (the
     # 0-d step counters whole on every rank); parameters at their most (shards plus the units
@@ -90,7 +90,7 @@ def test_analytic_matches_a_traced_rank_of_ddp_and_fsdp(parallel, overrides):
     if parallel.startswith("fsdp") and "precision=bf16" in overrides and "accumulation=x4" not in overrides:
         # FSDP2 under autocast frees one LayerNorm vector's bf16 gradient a moment after the
         # root's reduce-scatter has made its shards; the model leaves that moment out.
-        assert 0 <= grads[1] - grads[0] <= cfg["model"]["n_embd"] * 2
+        assert 0 <= grads[1] - grads[0] <= cfg.groups["model"]["n_embd"] * 2
     else:
         assert grads[0] == grads[1]
     # Peaks: within 5% here (0.2% at gpt-mini's vocabulary), the rest being when FSDP frees its
@@ -102,7 +102,7 @@ def test_analytic_matches_a_traced_rank_of_ddp_and_fsdp(parallel, overrides):
 def test_fsdp_mixed_precision_keeps_a_16_bit_residual_stream(checkpoint):
     """FSDP gathers the embeddings in bf16, so the residual stream (and a recomputed block's kept
     input) is 16-bit, not the parameters' fp32 as under plain autocast."""
-    cfg = compose_config([*RANKS, "seq_len=256", "parallel=fsdp", "parallel.nproc=2", "precision=bf16",
+    cfg = compose_spec([*RANKS, "seq_len=256", "parallel=fsdp", "parallel.nproc=2", "precision=bf16",
                           f"checkpoint={checkpoint}"])
     pred, rank = analytic(cfg), trace(cfg)
     assert pred.category_max_mib["activations"] == pytest.approx(rank.category_max_mib["activations"], rel=0.02)
@@ -110,7 +110,7 @@ def test_fsdp_mixed_precision_keeps_a_16_bit_residual_stream(checkpoint):
 
 def test_gpt2_xl_model_state_is_16_bytes_per_param():
     """fp32 AdamW without AMP, DDP on one rank: 4 (params) + 4 (grads) + 8 (two states) bytes/param."""
-    cfg = compose_config(["model=gpt2-xl", "parallel=ddp", "parallel.nproc=1", "device=cuda",
+    cfg = compose_spec(["model=gpt2-xl", "parallel=ddp", "parallel.nproc=1", "device=cuda",
                           "batch_size=1", "seq_len=1024"])
     pred = analytic(cfg)
     state = pred.category_max_mib["params"] + pred.category_max_mib["grads"] + pred.steady_mib["optimizer"]
@@ -118,7 +118,7 @@ def test_gpt2_xl_model_state_is_16_bytes_per_param():
 
 
 def activations(*overrides: str) -> float:
-    return analytic(compose_config([*NANO, *overrides])).category_max_mib["activations"]
+    return analytic(compose_spec([*NANO, *overrides])).category_max_mib["activations"]
 
 
 def test_monotone_in_the_techniques():
@@ -126,12 +126,12 @@ def test_monotone_in_the_techniques():
     assert activations("offload=activations", "device=auto") < activations("device=auto")
 
     def state(option: str) -> float:
-        return analytic(compose_config([*NANO, f"optimizer={option}", "model.n_embd=192"])).steady_mib["optimizer"]
+        return analytic(compose_spec([*NANO, f"optimizer={option}", "model.n_embd=192"])).steady_mib["optimizer"]
 
     assert state("adamw8bit") < state("adamw") / 3 and state("adafactor") < state("adamw8bit")
 
     def per_rank_peak(parallel: str) -> float:
-        return analytic(compose_config(["model=gpt2", f"parallel={parallel}", "parallel.nproc=4",
+        return analytic(compose_spec(["model=gpt2", f"parallel={parallel}", "parallel.nproc=4",
                                         "device=cuda", "batch_size=4", "seq_len=512"])).peak_mib
 
     assert per_rank_peak("fsdp") < per_rank_peak("ddp")
@@ -140,5 +140,5 @@ def test_monotone_in_the_techniques():
 
 def test_predict_rejects_an_unknown_method():
     with pytest.raises(ValueError, match="analytic, trace, none"):
-        predict(compose_config(NANO), "guess")
+        predict(compose_spec(NANO), "guess")
 

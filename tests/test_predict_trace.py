@@ -19,7 +19,7 @@ from ablate.build import build_model, build_optimizer, check_config
 from ablate.model import GPT
 from ablate.predict.trace import Untraceable, trace
 from ablate.train import train_step
-from tests.helpers import compose_config, results_under, run_cli
+from tests.helpers import compose_config, compose_spec, results_under, run_cli
 
 # Small enough to trace and run in about a second, big enough that activations (batch 8 x 64
 # tokens through 6 blocks) rival the AdamW states, so both the backward and the step can peak.
@@ -27,7 +27,7 @@ SMALL = ["model=gpt-mini", "model.vocab_size=512", "batch_size=8", "seq_len=64",
 XL_PARAMS = 1_557_611_200  # gpt2-xl, the tied lm_head counted once
 
 
-def real_step(cfg: dict) -> measure.Trace:
+def real_step(cfg) -> measure.Trace:
     """What a worker measures on the CPU: build for real, one step, then the traced second step."""
     t = check_config(cfg, "cpu")
     device = torch.device("cpu")
@@ -35,7 +35,7 @@ def real_step(cfg: dict) -> measure.Trace:
     model = build_model(t, device)
     optimizer = build_optimizer(model, t)
     scaler = t.precision.grad_scaler("cpu")
-    B, T, V = cfg["batch_size"], cfg["seq_len"], cfg["model"]["vocab_size"]
+    B, T, V = cfg.batch_size, cfg.seq_len, t.model.vocab_size
 
     def step() -> torch.Tensor:
         batch = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
@@ -65,7 +65,7 @@ def n_params(overrides: list[str]) -> int:
 def test_trace_is_the_real_cpu_step_byte_for_byte(overrides):
     if "optimizer=adamw8bit" in overrides:
         pytest.importorskip("bitsandbytes")
-    cfg = compose_config([*SMALL, *overrides])
+    cfg = compose_spec([*SMALL, *overrides])
     predicted, real = trace(cfg), real_step(cfg)
     # Fake tensors have the real shapes, dtypes and aliasing, so MemTracker sees the same
     # allocations in the same order: equal, not close (the same byte counts / 2**20).
@@ -78,11 +78,11 @@ def test_trace_is_the_real_cpu_step_byte_for_byte(overrides):
 
 @pytest.fixture(scope="module")
 def single():
-    return trace(compose_config(SMALL))
+    return trace(compose_spec(SMALL))
 
 
 def test_ddp_rank_is_a_single_process_plus_one_gradient_copy_of_buckets(single):
-    ddp = trace(compose_config([*SMALL, "parallel=ddp", "parallel.nproc=2"]))
+    ddp = trace(compose_spec([*SMALL, "parallel=ddp", "parallel.nproc=2"]))
     buckets = n_params(SMALL) * 4 / 2**20  # fp32 gradients, every parameter in some bucket
     assert ddp.peak_mib == pytest.approx(single.peak_mib + buckets, rel=1e-12)
     assert ddp.breakdown_mib["other"] == pytest.approx(single.breakdown_mib["other"] + buckets, rel=1e-12)
@@ -92,7 +92,7 @@ def test_ddp_rank_is_a_single_process_plus_one_gradient_copy_of_buckets(single):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp_rank_holds_a_shard_of_the_states(single, nproc):
-    fsdp = trace(compose_config([*SMALL, "parallel=fsdp", f"parallel.nproc={nproc}"]))
+    fsdp = trace(compose_spec([*SMALL, "parallel=fsdp", f"parallel.nproc={nproc}"]))
     # gpt-mini's dim-0 sizes all divide by 4, so every AdamW state tensor is exactly 1/nproc of the
     # single process's; only the 0-d fp32 step counters (one per parameter tensor, on the host
     # device) are whole on every rank.
@@ -127,7 +127,7 @@ def test_fsdp_rank_holds_a_shard_of_the_states(single, nproc):
 ])
 def test_untraceable_options_are_named(overrides, named):
     with pytest.raises(Untraceable, match=f"^{named}: "):
-        trace(compose_config([*SMALL, *overrides]))
+        trace(compose_spec([*SMALL, *overrides]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
@@ -136,14 +136,14 @@ def test_a_cuda_trace_without_a_visible_gpu_is_untraceable_not_wrong(device):
     # Without a GPU torch turns CUDA autocast off and picks the math SDPA kernel (on a CPU-only
     # build autograd on fake CUDA tensors even aborts the process): refuse instead.
     with pytest.raises(Untraceable, match=f"^device={device}: .*visible GPU"):
-        trace(compose_config([*SMALL, f"device={device}"]))
+        trace(compose_spec([*SMALL, f"device={device}"]))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a visible GPU")
 def test_a_cuda_trace_allocates_nothing_and_counts_fp32_params_exactly():
     before = torch.cuda.memory_allocated()
-    p = trace(compose_config(["model=gpt-nano", "batch_size=4", "seq_len=32", "device=cuda"]))
+    p = trace(compose_spec(["model=gpt-nano", "batch_size=4", "seq_len=32", "device=cuda"]))
     # On CUDA MemTracker counts each tensor as the caching allocator stores it: rounded up to
     # 512-byte blocks (on an H100: 10,194,432 bytes for gpt-nano's 10,185,600).
     model = meta_model(["model=gpt-nano"])
@@ -173,8 +173,8 @@ def assert_same_state(before: dict, after: dict) -> None:
 def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
     torch.manual_seed(1234)
     before = global_state()
-    trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
-    trace(compose_config([*SMALL, "optimizer=adafactor"]))  # with _ValueReads
+    trace(compose_spec([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
+    trace(compose_spec([*SMALL, "optimizer=adafactor"]))  # with _ValueReads
     assert_same_state(before, global_state())
     # A model failing as it is built, its parameters already made: inside the fake mode, the fake
     # process group and the patches.
@@ -185,7 +185,7 @@ def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
 
     with monkeypatch.context() as m, pytest.raises(AssertionError, match="injected"):
         m.setattr("ablate.models.gpt.GPT", BrokenGPT)
-        trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
+        trace(compose_spec([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
     assert_same_state(before, global_state())
 
     # A step failing while traced: MemTracker and its hooks are active too.
@@ -199,14 +199,14 @@ def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
 
     monkeypatch.setattr("ablate.predict.trace.train_step", second_step_fails)
     with pytest.raises(RuntimeError, match="injected"):
-        trace(compose_config([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
+        trace(compose_spec([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
     assert len(calls) == 2
     assert_same_state(before, global_state())
     assert FakeTensor not in torch_optim._foreach_supported_types
 
 
 def test_gpt2_xl_traces_in_seconds_without_allocating_it():
-    cfg = compose_config(["model=gpt2-xl", "batch_size=1", "seq_len=1024", "device=cpu"])
+    cfg = compose_spec(["model=gpt2-xl", "batch_size=1", "seq_len=1024", "device=cpu"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)
     start = time.perf_counter()
     p = trace(cfg)

@@ -28,16 +28,16 @@ class Prediction:
         return {"peak_mib": self.peak_mib, "breakdown_mib": self.breakdown_mib, "method": self.method}
 
 
-def predict(config: dict, method: str) -> Prediction | None:
-    """Predict a resolved config's memory with `method` (one of METHODS); None for "none"."""
+def predict(spec, method: str) -> Prediction | None:
+    """Predict a point's memory (an ablate.spec.RunSpec) with `method` (one of METHODS); None for "none"."""
     if method not in METHODS:
         raise ValueError(f"predict={method!r} is not one of {', '.join(METHODS)}")
     if method == "analytic":
         from ablate.predict.analytic import analytic
 
-        return analytic(config)
+        return analytic(spec)
     if method == "trace":
         from ablate.predict.trace import trace  # imports torch: only when asked for
 
-        return trace(config)
+        return trace(spec)
     return None

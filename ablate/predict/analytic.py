@@ -28,6 +28,7 @@ from ablate.build import Techniques
 from ablate.predict import Prediction
 from ablate.predict.layers import Arch, arch_of, layer_saves, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
+from ablate.spec import RunSpec
 from ablate.techniques import checkpoint as ckpt
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
@@ -83,7 +84,7 @@ class Shapes:
         return self.s * self.b
 
 
-def _shapes(cfg: dict, t: Techniques) -> Shapes:
+def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
     arch = arch_of(t.model)  # Unmodelled for a family without a layer model
     model, a = t.model.meta_model, t.model.adapter  # shapes only: nothing is allocated
     params = dict(model.named_parameters())  # a tied weight once, under its first name
@@ -95,7 +96,7 @@ def _shapes(cfg: dict, t: Techniques) -> Shapes:
     inner = tuple(f"{prefix}0.{part}." for part in (a.attention, a.mlp))
     groups = [[tuple(p.shape) for p in g["params"]] for g in t.optimizer.param_groups(model)]
     lm_head = f"{a.lm_head}.weight"
-    return Shapes(b=cfg["batch_size"] // t.accumulation.steps, s=cfg["seq_len"], arch=arch,
+    return Shapes(b=spec.batch_size // t.accumulation.steps, s=spec.seq_len, arch=arch,
                   param_numels={n: p.numel() for n, p in params.items()},
                   param_shapes={n: tuple(p.shape) for n, p in params.items()}, groups=groups,
                   layer_names=layer_names, embedding=f"{a.embedding}.weight",
@@ -232,12 +233,12 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     return z
 
 
-def analytic(cfg: dict) -> Prediction:
-    """Predict one rank's device memory for a resolved config (no torch allocation)."""
-    t = Techniques.from_config(cfg)
-    device = "cpu" if cfg["device"] == "cpu" else "cuda"  # auto: the GPU the user plans on
-    sh = _shapes(cfg, t)
-    tl = Step(sh, _sizes(t, sh, device)).play(cfg["batch_size"] * cfg["seq_len"])
+def analytic(spec: RunSpec) -> Prediction:
+    """Predict one rank's device memory for a grid point (no torch allocation)."""
+    t = Techniques.of(spec)
+    device = "cpu" if spec.device == "cpu" else "cuda"  # auto: the GPU the user plans on
+    sh = _shapes(spec, t)
+    tl = Step(sh, _sizes(t, sh, device)).play(spec.batch_size * spec.seq_len)
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
                       category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",
                       steady_mib={k: v / MIB for k, v in tl.now.items()})

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ablate import measure
 from ablate.build import Techniques, build_model, build_optimizer, check_config
 from ablate.predict import Prediction
+from ablate.spec import RunSpec
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
 from ablate.techniques.offload import OptimizerState
@@ -33,13 +34,13 @@ class Untraceable(Exception):
     """This grid point has an option a fake-tensor step cannot run; predict it another way."""
 
 
-def trace(config: dict) -> Prediction:
-    """Predict one rank's peak device memory (MiB) for a resolved config from a fake step."""
+def trace(spec: RunSpec) -> Prediction:
+    """Predict one rank's peak device memory (MiB) for a grid point from a fake step."""
     # Validity is the job's business (check_config without a device, as the job calls it); "cuda"
     # here would ask torch.cuda about bf16 and the GPU count, questions for the worker's host.
-    t = check_config(config)
+    t = check_config(spec)
     _check_traceable(t)
-    device = _device(config["device"])
+    device = _device(spec.device)
     ddp = isinstance(t.parallel, par.DDP)
     if ddp:  # a DDP rank computes what a single process does; its gradient buckets are added below
         t.parallel = par.Single()
@@ -54,7 +55,7 @@ def trace(config: dict) -> Prediction:
         scaler = torch.amp.GradScaler(device.type, enabled=False)
 
         def step() -> torch.Tensor:
-            return train_step(model, optimizer, scaler, t, _fake_batch(config, t.model.vocab_size), device)
+            return train_step(model, optimizer, scaler, t, _fake_batch(spec, t.model.vocab_size), device)
 
         step()  # creates the optimizer states, as a real run's warm-up does
         traced = measure.traced_step(step, model, optimizer, device)
@@ -98,10 +99,10 @@ def _check_traceable(t: Techniques) -> None:
                           "CUDA streams and events, which fake tensors cannot stand in for")
 
 
-def _fake_batch(config: dict, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_batch(spec: RunSpec, V: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, T) int64 inputs and targets on the host, as TokenData gives them: the train step
     copies them to the device, so the device copies are counted as in a real step."""
-    B, T = config["batch_size"], config["seq_len"]
+    B, T = spec.batch_size, spec.seq_len
     return torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
 
 
