@@ -140,3 +140,18 @@ def test_find_batch_on_a_gpu_measures_a_micro_batch_that_fits_the_card(tmp_path)
     # predicted for the micro-batch measured, within issue 6's 10% aim
     assert row["prediction"]["peak_mib"] == pytest.approx(row["metrics"]["peak_allocated_mib"], rel=0.10)
 
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16_pure"])
+def test_a_transformers_model_on_cuda_is_predicted_within_ten_percent(tmp_path, precision):
+    """SmolLM2-135M (a Llama: GQA, SwiGLU, RMSNorm, rotary, tied head) at its real size, with and
+    without block recompute: the analytic model's Llama layout against the allocator's peak."""
+    proc = run_cli(["-m", "model=smollm2-135m", f"precision={precision}", "checkpoint=none,block", "batch_size=4",
+                    "seq_len=1024", "steps=3", "device=cuda"], tmp_path, fast=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = results_under(tmp_path)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["status"] == "ok", r["reason"]
+        assert r["prediction"]["method"] == "analytic"
+        assert r["prediction"]["peak_mib"] == pytest.approx(r["metrics"]["peak_allocated_mib"], rel=0.10)
