@@ -1,12 +1,13 @@
 """The analytic memory model: closed-form tensor sizes, played through one training step.
 
-Sizes come from the model's parameter shapes (built on the meta device: nothing is allocated)
-and from the activations each op saves for backward. Activations per transformer layer start
-from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"):
-s·b·h·(34 + 5·a·s/h) bytes in 16-bit with dropout. This GPT has no dropout masks (p=0 returns
-its input) and uses SDPA, so no (s, s) score matrix is stored and the 5as/h term is gone: what a
-layer saves is 16·s·b·h elements (below, `_block_saves`) plus LayerNorm statistics and SDPA's
-log-sum-exp, 32·s·b·h bytes in 16-bit where the paper counts 34 with its two dropout masks.
+Sizes come from the model family's parameter shapes (built on the meta device: nothing is
+allocated; names and layers found through its adapter) and from the activations each op saves
+for backward. Activations per transformer layer start from Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models"): s·b·h·(34 + 5·a·s/h) bytes in 16-bit with
+dropout. ablate's GPT has no dropout masks (p=0 returns its input) and uses SDPA, so no (s, s)
+score matrix is stored and the 5as/h term is gone: what a layer saves is 16·s·b·h elements plus
+LayerNorm statistics and SDPA's log-sum-exp, 32·s·b·h bytes in 16-bit where the paper counts 34
+with its two dropout masks. Each family's layer is described in ablate/predict/layers.py.
 
 Under FSDP2 (fully_shard) each rank holds dim-0 chunks of every parameter, padded to
 ceil(rows / world) rows, so rank 0's are the largest; its optimizer states take the same local

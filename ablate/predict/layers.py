@@ -9,8 +9,11 @@ giving the bytes it keeps for backward beyond its input. Three layouts cover the
   off one residual, GELU MLP, untied head).
 Any other layout raises Unmodelled, and the job falls back to predict=trace.
 
-Units: `sb` tokens of the micro-batch, `r` bytes/element of the residual stream, `c` of the compute
-dtype, `ln` of what a LayerNorm keeps of its input (ablate/predict/analytic.py explains the three).
+Units: `sb` tokens of the micro-batch; `r` bytes/element of the residual stream (the parameter
+dtype, fp32 under autocast, the compute dtype under FSDP's mixed precision); `c` of the compute
+dtype (what Linear, SDPA and the activation produce); `ln` of what a norm keeps of its input: the
+input itself (r), or a 4-byte copy when CUDA autocast runs LayerNorm in fp32 on a 16-bit stream
+(RMSNorm always upcasts: 4).
 Attention is SDPA everywhere: no (T, T) score matrix is stored, and its output is laid out (B, T,
 heads, head_dim) already, so the output projection keeps that very tensor as its input.
 """
