@@ -14,7 +14,7 @@ from ablate.models import Family
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid, Plan
 
-TECHNIQUE_GROUPS = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer")
+TECHNIQUE_GROUPS = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer", "loss")
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Techniques:
     offload: Any
     parallel: Any
     optimizer: Any
+    loss: Any
 
     @classmethod
     def of(cls, spec: RunSpec) -> "Techniques":
@@ -47,7 +48,7 @@ def plan_of(spec: RunSpec, device: str, t: Techniques) -> Plan:
                 world_size=t.parallel.world_size, accumulation_steps=t.accumulation.steps,
                 grad_scaler=t.precision.scales_loss, param_dtype=t.precision.param_dtype,
                 stochastic_rounding=t.precision.stochastic_rounding, sharded=t.parallel.shards_params,
-                in_backward=t.optimizer.in_backward)
+                in_backward=t.optimizer.in_backward, chunked_loss=t.loss.from_hidden)
 
 
 def check_config(spec: RunSpec, device: str | None = None) -> Techniques:
@@ -89,6 +90,7 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
     #    then load init_from's weights, if any, into it.
     model = t.precision.materialize(t.model.build, device)
     t.model.load_weights(model)
+    t.loss.attach(model)  # before any wrapper: the model's own forward hands its hidden states to the loss
     adapter = t.model.adapter  # where the layers are, for every technique below
     # 2. Recompute wrappers go on the bare layers, before compile and any parallel wrapper hide them.
     model = t.checkpoint.apply(model, adapter)

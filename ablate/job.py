@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progres
     spec_path.write_text(json.dumps({"config": spec.to_config(), "run_dir": str(run_dir), "overrides": overrides},
                                     indent=2))
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
+    results.clear_artifacts(run_dir)
     parallel = spec.groups["parallel"]
     distributed = not parallel["_target_"].endswith(".Single")  # the others run their ranks under torchrun
     module = "launch.torchrun" if distributed else "ablate.worker"
@@ -213,11 +215,12 @@ class Point:
                    run_dir, hydra.job.override_dirname or "defaults")
 
     def record(self, status: str, reason: str | None, metrics: dict | None = None, env: dict | None = None,
-               timing: dict | None = None, prediction: Prediction | None = None) -> dict:
+               timing: dict | None = None, prediction: Prediction | None = None,
+               artifacts: dict | None = None) -> dict:
         """Write this point's result.json (and its index entry); returns the result."""
         result = results.make(self.run_id, status, reason, self.choices, self.config, self.overrides,
                               metrics=metrics, env={**job_env(), **(env or {})}, timing=timing,
-                              prediction=prediction.to_result() if prediction else None)
+                              prediction=prediction.to_result() if prediction else None, artifacts=artifacts)
         path = self.run_dir / results.RESULT_FILE
         results.write_json(path, result)
         results.Index(self.config["out_dir"]).record(self.run_id, path)
@@ -243,6 +246,20 @@ def record_unlaunched(hydra_context, master_config: DictConfig, overrides: list[
     return Point.of(cfg, cfg.hydra, run_dir).record(status, reason)
 
 
+def link_artifacts(result: dict, old_dir: Path, new_dir: Path) -> None:
+    """The files a result names, into new_dir beside its copy, so that the copy names them as the
+    original does: hard links (the same out_dir, no second copy of a snapshot), else copies."""
+    for name in filter(None, (result.get("artifacts") or {}).values()):
+        src, dst = old_dir / name, new_dir / name
+        if not src.is_file() or src.resolve() == dst.resolve():
+            continue
+        dst.unlink(missing_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:  # another filesystem, or none that links
+            shutil.copy2(src, dst)
+
+
 def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     warn_unswept(hc)
@@ -256,6 +273,7 @@ def run_point(cfg: DictConfig) -> dict:
         if path != result_path.resolve():  # this sweep's directory gets the earlier result too,
             # placed at this sweep's rung (a run key outside run_id: the same point in another ladder)
             result = {**result, "config": {**result["config"], "rung": point.config["rung"]}}
+            link_artifacts(result, path.parent, result_path.parent)
             results.write_json(result_path, result)
         progress.done(result, str(path), skipped=True)
         return result
@@ -266,7 +284,8 @@ def run_point(cfg: DictConfig) -> dict:
               "wall_s": time.monotonic() - t0}
     if int(os.environ.get("SLURM_PROCID", 0)) != 0:
         return {}  # multi-node: every node ran its ranks; the first node's task writes the row
-    result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing, prediction)
+    result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing, prediction,
+                          results.find_artifacts(point.run_dir))
     progress.done(result, str(result_path))
     pass_on_stop(outcome)  # a sweep told to stop ends here, its row written, before the next point
     return result

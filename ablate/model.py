@@ -101,6 +101,9 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        # loss_fn(hidden (B, T, C), lm_head, targets (B, T)) -> mean loss, when set: the head and the
+        # loss computed together (a chunked loss never makes the whole logits). None: below.
+        self.loss_fn = None
         self.tie_weights()
         self.reset_parameters()
 
@@ -133,7 +136,8 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean loss or None."""
+        """idx, targets: (B, T) token ids. Returns logits (B, T, vocab) and the mean loss or None;
+        with a loss_fn and targets, no logits (None)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
@@ -141,7 +145,10 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        x = self.transformer.ln_f(x)
+        if targets is not None and self.loss_fn is not None:
+            return None, self.loss_fn(x, self.lm_head, targets)
+        logits = self.lm_head(x)  # (B, T, vocab)
         if targets is None:
             return logits, None
         # The loss is taken in fp32 whatever the compute dtype: (B*T, vocab) logits upcast.

@@ -29,6 +29,11 @@ METRIC_KEYS = (
     "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
     "losses", "per_rank", "max_batch_size", "find_batch",
 )
+# Files a worker leaves beside result.json (ablate/artifacts.py), by the key that names them under
+# "artifacts": each the file's path relative to result.json's directory, or null when not written.
+ARTIFACTS = {"memory_by_module": "memory_by_module.csv",  # the traced step, per module (any device)
+             "memory_snapshot": "memory_snapshot.pickle",  # CUDA allocator history of the traced step
+             "oom_snapshot": "oom_snapshot.pickle"}  # CUDA allocator state at an OOM
 ENV_KEYS = ("torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname",
             "git_sha", "python", "slurm_job_id")
 
@@ -41,10 +46,10 @@ def run_id(config: dict) -> str:
 
 def make(run_id: str, status: str, reason: str | None, choices: dict, config: dict, overrides: list,
          metrics: dict | None = None, env: dict | None = None, prediction: dict | None = None,
-         timing: dict | None = None) -> dict:
+         timing: dict | None = None, artifacts: dict | None = None) -> dict:
     """A complete result: every contract key present, unknown values null."""
     assert status in STATUSES, status
-    metrics, env = metrics or {}, env or {}
+    metrics, env, artifacts = metrics or {}, env or {}, artifacts or {}
     return {
         "schema": SCHEMA,
         "run_id": run_id,
@@ -57,7 +62,26 @@ def make(run_id: str, status: str, reason: str | None, choices: dict, config: di
         "prediction": prediction or {"peak_mib": None, "breakdown_mib": None, "method": None},
         "env": {k: env.get(k) for k in ENV_KEYS},
         "timing": timing or {"started_at": None, "finished_at": None, "wall_s": None},
+        "artifacts": {k: artifacts.get(k) for k in ARTIFACTS},
     }
+
+
+def find_artifacts(run_dir: str | Path) -> dict:
+    """The ARTIFACTS a worker left in run_dir, as result.json names them (null: not written).
+    An OOM on rank r > 0 alone leaves oom_snapshot.rank<r>.pickle: the lowest rank's is named."""
+    run_dir = Path(run_dir)
+    found = {k: name if (run_dir / name).is_file() else None for k, name in ARTIFACTS.items()}
+    if found["oom_snapshot"] is None:
+        found["oom_snapshot"] = next((p.name for p in sorted(run_dir.glob("oom_snapshot.rank*.pickle"),
+                                                                key=lambda p: len(p.name))), None)
+    return found
+
+
+def clear_artifacts(run_dir: str | Path) -> None:
+    """Before a worker starts in run_dir: an earlier run's files must not pass for this one's."""
+    for path in [*(Path(run_dir) / name for name in ARTIFACTS.values()),
+                 *Path(run_dir).glob("oom_snapshot.rank*.pickle")]:
+        path.unlink(missing_ok=True)
 
 
 def write_json(path: str | Path, obj: dict) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
-from ablate import measure
+from ablate import artifacts, measure
 from ablate.build import Techniques, build_model, build_optimizer, check_config, pick_device
 from ablate.capacity import MemoryLimit
 from ablate.data import TokenData
@@ -65,9 +66,32 @@ def rank_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
     return stacked.tolist()
 
 
+def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, device: torch.device,
+                     mem: measure.DeviceMemory, history: artifacts.AllocatorHistory,
+                     out: Path | None) -> tuple[dict | None, float | None, dict]:
+    """The last warm-up step (untimed) is the one looked into: traced by MemTracker for the
+    breakdown and memory_by_module.csv where the parallel option allows it, and on CUDA recorded
+    by the allocator for memory_snapshot.pickle. The files go to `out` (rank 0's run directory;
+    None: nowhere). Returns (breakdown, traced peak MiB, the allocator's peaks before the step)."""
+    history.start()  # this step alone: recording slows every allocation down
+    if not t.parallel.traceable:
+        step()
+        history.stop(out)
+        return None, None, {}
+    # The allocator's peaks leave the traced step out: they measure training, not the tracer's
+    # dispatch mode. Earlier warm-up steps count (the first allocates the optimizer state).
+    warm_peaks = mem.peaks()
+    trace = measure.traced_step(step, model, optimizer, device)
+    history.stop(out)
+    mem.reset()
+    if out is not None:
+        artifacts.write_module_csv(artifacts.module_rows(trace, model), out)
+    return trace.at_peak, trace.peak_mib, warm_peaks
+
+
 def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, events: EventWriter,
-          before_first_step=lambda: None) -> tuple[torch.nn.Module, Trained]:
-    mem = measure.DeviceMemory(device)
+          before_first_step=lambda: None, run_dir: Path | None = None) -> tuple[torch.nn.Module, Trained]:
+    mem, history = measure.DeviceMemory(device), artifacts.AllocatorHistory(device)
     events.emit("phase", phase="init")
     mem.reset()
     model = build_model(t, device, compile=spec.compile)
@@ -90,18 +114,11 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
         losses.append(step(k))
         if k == 0:  # with compile=true this step compiles the graphs
             first_step_s = measure.seconds_since(start, device)
-    breakdown, traced_peak = None, None
-    if warmup >= 1 and t.parallel.traceable:  # the last warm-up step is traced for the breakdown (untimed)
-        # The allocator's peaks leave the traced step out: they measure training, not the tracer's
-        # dispatch mode. Earlier warm-up steps count (the first allocates the optimizer state).
-        warm_peaks = mem.peaks()
-        trace = measure.traced_step(lambda: losses.append(step(warmup - 1)), model, optimizer, device)
-        breakdown, traced_peak = trace.at_peak, trace.peak_mib
-        mem.reset()
-    else:
-        warm_peaks = {}
-        if warmup >= 1:
-            losses.append(step(warmup - 1))
+    breakdown, traced_peak, warm_peaks = None, None, {}
+    if warmup >= 1:
+        out = run_dir if rank == 0 else None  # rank 0 writes the files
+        breakdown, traced_peak, warm_peaks = last_warmup_step(lambda: losses.append(step(warmup - 1)), model,
+                                                              optimizer, t, device, mem, history, out)
     events.emit("phase", phase="measure")
     timer, start, last_report = measure.StepTimer(device), time.monotonic(), 0.0
     for k in range(warmup, warmup + steps):
@@ -175,10 +192,11 @@ def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict 
     device = t.parallel.setup(device)
     limit = MemoryLimit(spec.gpu_memory_gib, device)  # an emulated smaller GPU, if asked for
     limit.apply()
+    artifacts.watch_for_oom(device)  # the worker writes oom_snapshot.pickle if one comes
     data = load_data(spec, t)
     torch.manual_seed(spec.seed)
     t.precision.setup()
-    model, trained = train(spec, t, data, device, events, before_first_step)
+    model, trained = train(spec, t, data, device, events, before_first_step, Path(job["run_dir"]))
     limit.check(trained.peaks["peak_allocated_mib"])
     events.emit("phase", phase="eval")
     eval_loss = evaluate(model, data, spec.batch_size, t, device)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel")
+GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss")
 
 # Keys that change where or whether a point runs, never what it measures: left out of run_id.
 NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir", "predict", "predict_only", "prune", "prune_margin",
@@ -46,6 +46,7 @@ class Config:
     checkpoint: Any = MISSING
     offload: Any = MISSING
     parallel: Any = MISSING
+    loss: Any = MISSING
 
     batch_size: int = 8  # samples per optimizer step per rank: the effective batch
     seq_len: int = 64  # tokens per sample

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ablate.artifacts import dump_oom_snapshot
 from ablate.events import EventWriter
 from ablate.runner import run
 from ablate.techniques import Invalid
@@ -76,6 +77,11 @@ def main(spec_path: str) -> int:
         traceback.print_exc()
         status, reason = classify(exc)
         events.emit("failure", status=status, reason=reason)
+        if status == "oom":  # the allocator's state at the OOM, if CUDA's observer caught one
+            try:
+                dump_oom_snapshot(spec["run_dir"], rank)
+            except Exception:  # the row stands without it
+                traceback.print_exc()
         return 1
 
 

@@ -9,7 +9,7 @@ from analysis.load import RUN_KEYS, text
 
 # The do-nothing option of each group: a run's label lists only what differs from these.
 BASELINE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
-            "offload": "none", "parallel": "single"}
+            "offload": "none", "parallel": "single", "loss": "standard"}
 # What a grid without a group's do-nothing option is compared against, in order of preference: a
 # `parallel=fsdp,ddp` sweep asks how FSDP does against DDP, a `precision=bf16,bf16_pure` one what
 # pure bf16 saves over AMP.

@@ -77,6 +77,17 @@ def _text(value) -> str:
     return str(value)
 
 
+_LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")  # a Markdown link, "[name](relative/path)"
+
+
+def _cell(text: str) -> str:
+    """A cell's HTML: escaped text, a Markdown link (the report writes them for files) as <a>."""
+    link = _LINK.fullmatch(text)
+    if link:
+        return f'<a href="{html.escape(link[2])}">{html.escape(link[1])}</a>'
+    return html.escape(text)
+
+
 def _cls(name: str) -> str:
     return f' class="{name}"' if name else ""
 
@@ -94,7 +105,7 @@ def table_html(df: pd.DataFrame) -> str:
         cells = []
         for text, num in zip(row, numeric):
             cls = " ".join(c for c in (status_class(text), "num" if num or is_number(text) else "") if c)
-            cells.append(f"<td{_cls(cls)}>{html.escape(text)}</td>")
+            cells.append(f"<td{_cls(cls)}>{_cell(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return (f'<div class="scroll"><table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n'
             + "\n".join(body) + "\n</tbody></table></div>")
@@ -112,8 +123,10 @@ def page(title: str, sections: list[Section], images: list[Path]) -> str:
     parts = []
     for s in sections:
         parts += [f"<section>\n<h2>{html.escape(s.title)}</h2>", table_html(s.table)]
-        if s.footnote:
-            parts.append(f'<p class="note">{html.escape(s.footnote)}</p>')
+        if s.footnote:  # an address in it is a link (memory_viz, under the snapshots)
+            note = re.sub(r"https?://[^\s<>\"]*[^\s<>\".,:;)]", lambda m: f'<a href="{m[0]}">{m[0]}</a>',
+                          html.escape(s.footnote))
+            parts.append(f'<p class="note">{note}</p>')
         parts.append("</section>")
     if images:
         parts += ['<section>\n<h2>Plots</h2>\n<div class="figures">',

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ablate.results import RESULT_FILE, SCHEMA
+from ablate.results import ARTIFACTS, RESULT_FILE, SCHEMA
 from ablate.schema import GROUPS
 
 # Top-level run keys that can differ between runs and so may label a row.
@@ -22,11 +22,15 @@ def result_files(paths: list[str | Path]) -> list[Path]:
     return files
 
 
+# What a result from before a group existed ran: its rows compare with the newer ones.
+LEGACY = {"loss": "standard"}
+
+
 def _row(result: dict, path: Path) -> dict:
     metrics = result.get("metrics") or {}
     row = {"run_id": result["run_id"], "status": result["status"], "reason": result.get("reason"),
            "path": str(path)}
-    row.update({g: (result.get("choices") or {}).get(g) for g in GROUPS})
+    row.update({g: (result.get("choices") or {}).get(g, LEGACY.get(g)) for g in GROUPS})
     config = result.get("config") or {}
     row.update({k: config.get(k) for k in RUN_KEYS})
     row["accumulation_steps"] = (config.get("accumulation") or {}).get("steps")
@@ -42,6 +46,8 @@ def _row(result: dict, path: Path) -> dict:
         row.update({f"{prefix}_{k}_mib": v for k, v in (parts or {}).items()})
     row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})
     row["finished_at"] = (result.get("timing") or {}).get("finished_at")
+    named = result.get("artifacts") or {}  # relative to result.json's directory; older results have none
+    row.update({f"artifact_{k}": str(path.parent / named[k]) if named.get(k) else None for k in ARTIFACTS})
     return row
 
 

@@ -259,5 +259,8 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
 
 def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path]:
     """Every plot that has something to show; returns the PNGs written."""
-    paths = [*paretos(df, labels, out), *(plot(df, labels, out) for plot in (breakdown, batch_scan, loss_curves))]
+    from analysis.where import module_breakdown  # reads the runs' memory_by_module.csv files
+
+    paths = [*paretos(df, labels, out),
+             *(plot(df, labels, out) for plot in (breakdown, batch_scan, loss_curves, module_breakdown))]
     return [p for p in paths if p is not None]

@@ -55,10 +55,14 @@ def markdown(table: pd.DataFrame, labels: list[str]) -> str:
     return table.to_markdown(index=False, colalign=align, disable_numparse=True)
 
 
-def render(title: str, parts: list[tuple[str, pd.DataFrame]], labels: list[str], images: list[Path]) -> str:
+def render(title: str, parts: list[tuple[str, pd.DataFrame]], labels: list[str], images: list[Path],
+           notes: dict[str, str] | None = None) -> str:
+    """The Markdown report; `notes`: a line under the table of that heading."""
     text = [f"# {title}", ""]
     for heading, table in parts:
         text += [f"## {heading}", "", markdown(table, labels), ""]
+        if (notes or {}).get(heading):
+            text += [notes[heading], ""]
     text += [tables.FOOTNOTE, ""]
     text += [f"![{p.stem}]({p.name})" for p in images]
     return "\n".join(text) + "\n"
@@ -135,18 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(args.paths[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
     from analysis.plots import all_plots  # matplotlib only when plotting
+    from analysis.where import SNAPSHOT_NOTE, snapshot_table
 
     images = all_plots(df, labels, out)
     parts = sections(df, labels, bases, tuple(args.table or TABLES), args.ladder)
-    text = render(title(df), parts, labels, images)
+    snapshots, notes = snapshot_table(df, labels, out), {}
+    if not snapshots.empty:  # CUDA runs: their allocator snapshots, linked
+        parts.append(("Memory snapshots", snapshots))
+        notes["Memory snapshots"] = SNAPSHOT_NOTE
+    text = render(title(df), parts, labels, images, notes)
     (out / "report.md").write_text(text)
     df.to_csv(out / "runs.csv", index=False)
     if args.format == "html":
         from analysis.html import Section, page, write
 
-        notes = [tables.FOOTNOTE] + [""] * (len(parts) - 1)  # the units, once, under the first table
+        # the units, once, under the first table; a section's own note under it
+        footnotes = [notes.get(t) or (tables.FOOTNOTE if i == 0 else "") for i, (t, _) in enumerate(parts)]
         html = page(title(df),
-                    [Section(t, tab, note) for (t, tab), note in zip(parts, notes)], images)
+                    [Section(t, tab, note) for (t, tab), note in zip(parts, footnotes)], images)
         write(out / "report.html", html)
         print(html)
     elif args.format == "csv":

@@ -17,6 +17,8 @@ NAMES = {
     ("optimizer", "adamw"): "AdamW", ("optimizer", "adamw_forloop"): "AdamW for-loop",
     ("optimizer", "adamw_foreach"): "AdamW foreach", ("optimizer", "adamw_fused"): "AdamW fused",
     ("optimizer", "sgd"): "SGD", ("optimizer", "adafactor"): "Adafactor", ("optimizer", "adamw8bit"): "8-bit AdamW",
+    ("optimizer", "adamw8bit_ao"): "8-bit AdamW (torchao)", ("optimizer", "adamw4bit"): "4-bit AdamW",
+    ("optimizer", "adamw_fp8"): "fp8-state AdamW", ("loss", "chunked"): "Chunked cross-entropy",
     ("precision", "fp32"): "fp32", ("precision", "tf32"): "TF32", ("precision", "fp16"): "fp16 AMP",
     ("precision", "bf16"): "bf16 AMP", ("precision", "bf16_pure"): "Pure bf16",
     ("offload", "activations"): "Activation offload", ("offload", "optimizer"): "Optimizer offload",
@@ -31,7 +33,7 @@ NAMES = {
 }
 # Groups whose do-nothing option is the absence of a technique: leaving one is a removal. An
 # optimizer or precision is always some option, so a row on another one reads "+ AdamW", a swap.
-REMOVABLE = ("accumulation", "checkpoint", "offload", "parallel")
+REMOVABLE = ("accumulation", "checkpoint", "offload", "parallel", "loss")
 MEMORY = "peak_allocated_mib"
 FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
             "training (on CPU, the peak of live tensor bytes traced by torch's MemTracker); MiB = 2^20 bytes. "

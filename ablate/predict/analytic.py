@@ -122,6 +122,16 @@ def _state_bytes(t: Techniques, shape: tuple, d: int, device: str) -> float:
         if numel < o.min_8bit_size:
             return 2 * numel * 4  # small tensors keep fp32 states
         return 2 * numel + 2 * math.ceil(numel / 256) * 4  # uint8 states + one fp32 absmax per 256 values
+    if isinstance(o, opt.LowBitAdamW):
+        # torchao/optim/adam.py (_AdamBase): `step` is torch.tensor(0.0), a host fp32 tensor even on
+        # CUDA; _new_buffer quantises a tensor only if numel >= 4096 and numel % block_size == 0,
+        # else zeros_like(param). subclass_*.py: codes (4-bit packed two a byte), fp32 scales of
+        # numel // block_size, and for the integer formats each state's own fp32 qmap (16 or 256).
+        step = 4 if device == "cpu" else 0
+        if numel < 4096 or numel % o.block_size:
+            return 2 * numel * d + step
+        codes, qmap = {opt.AdamW4bit: (0.5, 16), opt.AdamW8bitAO: (1, 256), opt.AdamWFp8: (1, 0)}[type(o)]
+        return 2 * (numel * codes + numel // o.block_size * 4 + qmap * 4) + step
     if isinstance(o, opt.AdamW):
         return 2 * numel * d + step
     if isinstance(o, opt.SGD):
@@ -145,6 +155,19 @@ def _step_temp_bytes(t: Techniques, groups: list[list[int]], d: int, device: str
     o = t.optimizer
     if isinstance(o, opt.AdamW8bit):
         return 0.0  # one fused kernel per tensor
+    if isinstance(o, opt.LowBitAdamW):
+        if device == "cpu":
+            # What the traced step runs (and, on a CPU, all that is measured): torchao's step eagerly
+            # (MemTracker is a dispatch mode, which torch.compile refuses), 24 bytes/elem of fp32
+            # copies of the tensor being stepped, 28 with 16-bit parameters (their fp32 upcast), for
+            # every tensor, quantised or not; MemTracker saw exactly that with torch 2.13, torchao 0.18.
+            return max(n for g in groups for n in g) * (24 if d == 4 else 28)
+        # The compiled step, per quantised tensor: inductor's buffers in its generated code on a CPU
+        # (not yet checked on a GPU): 4-bit two unpacked uint8 codes, two fp32 updates and two int64
+        # code searches (26 bytes/elem); 8-bit two fp32 updates (8); fp8 two fp8 codes (2). Plain
+        # states update in place.
+        per = {opt.AdamW4bit: 26, opt.AdamW8bitAO: 8, opt.AdamWFp8: 2}[type(o)]
+        return max([n for g in groups for n in g if n >= 4096 and n % o.block_size == 0] or [0]) * per
     if isinstance(o, opt.AdamW):
         impl = o.implementation
         if impl == "fused":
@@ -227,6 +250,7 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
         z.block_cast = sum(sh.param_numels[n] for n in sh.linear_names) * z.c
         z.lm_head_cast = sh.vocab * sh.h * z.c
     z.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
+    z.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
     z.micro_steps, z.in_backward = t.accumulation.steps, t.optimizer.in_backward
     # FSDP with mixed precision that keeps whole gradients over micro-steps sums them in fp32 (its
     # reduce dtype) beside .grad (FSDPParam.unsharded_accumulated_grad), not in the 16-bit .grad.

@@ -80,6 +80,7 @@ class Sizes:
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
+    loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
     micro_steps: int = 1
     in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
@@ -127,8 +128,8 @@ class Step:
         return tl
 
     def forward(self) -> None:
-        tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
-        sbh, sb, V = sh.sbh, sh.sb, sh.vocab
+        tl, sh, z, r, keep = self.tl, self.sh, self.z, self.r, self.keep
+        sbh = sh.sbh
         self.gather(z.root, "activations")
         # Embedding outputs (x0 = wte(idx) + wpe(pos) with learned positions): the residual stream (B, T, C).
         tl.transient("activations", z.embed_temp)
@@ -140,41 +141,26 @@ class Step:
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
             if z.reshard:
                 self.release(z.block)
-        # ln_f statistics and output, logits (B, T, V), their fp32 copy, log-softmax (fp32, kept).
-        tl.alloc("activations", keep(self.z.ln_f_stats + sbh * c + self.ln_copy) + self.z.lm_head_cast)
-        tl.alloc("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))
-        tl.alloc("activations", keep(sb * V * 4))
-        tl.free("activations", sb * V * c + (sb * V * 4 if c != 4 else 0))  # logits not kept
+        # ln_f statistics and output (the head's input), then the head and the loss.
+        tl.alloc("activations", keep(self.z.ln_f_stats + self.ln_copy) + self.head_input() + self.z.lm_head_cast)
+        self.loss_forward()
         # Autocast's cache goes with the forward: casts backward does not need on the device with it.
         tl.free("activations", sum(self.z.block_cast for saved, _ in self.z.blocks if not self.keeps_cast(saved))
-                + self.z.lm_head_cast - keep(self.z.lm_head_cast))
+                + self.z.lm_head_cast - self.head_cast_kept())
         if z.reshard:  # the root's forward ends with the loss; its backward gathers it again
             self.release(z.root)
 
     def backward(self, sync: bool) -> None:
         tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
-        sbh, sb, V = sh.sbh, sh.sb, sh.vocab
+        sbh, wte = sh.sbh, z.grads[sh.embedding]
         if z.reshard:
             self.gather(z.root, "other")
-        # Loss -> log-softmax -> logits -> lm_head.
-        back = sb * V * 4 - keep(sb * V * 4)  # offloaded log-softmax, copied back for its backward
-        tl.alloc("activations", back)
-        tl.alloc("other", 2 * sb * V * 4)  # d log-softmax, d logits
-        tl.free("activations", keep(sb * V * 4) + back)
-        tl.free("other", sb * V * 4)
-        if c != 4:
-            tl.transient("other", sb * V * c)
-        # A tied head's share of the embedding gradient waits in autograd's buffer (a temporary)
-        # until the embedding's share is added; only then does it become wte.grad. An untied
-        # head's gradient is its own at once.
-        wte = z.grads[sh.embedding]
-        tl.alloc("other", sbh * c + (0 if sh.lm_head else wte))  # d ln_f out, lm_head's d wte
-        if sh.lm_head:
-            self.grad(z.grads[sh.lm_head])
-        tl.free("other", sb * V * 4)
-        lm_head_saved = self.z.lm_head_cast + sbh * c  # its weight's cast and its input, ln_f's output
-        tl.transient("activations", lm_head_saved - keep(lm_head_saved))  # back from the host
-        tl.free("activations", keep(lm_head_saved + self.z.ln_f_stats + sbh * r + self.ln_copy))  # and x_L
+        self.loss_backward()
+        # What the head saved (its weight's cast, unless chunked; its input, ln_f's output), and of it on the device.
+        saved = (self.z.lm_head_cast if z.loss_chunks == 1 else 0.0) + sbh * self.c
+        on_device = self.head_cast_kept() + self.head_input()
+        tl.transient("activations", saved - on_device)  # back from the host
+        tl.free("activations", keep(self.z.ln_f_stats + sbh * r + self.ln_copy) + on_device)  # and x_L
         tl.alloc("other", sbh * r)  # d x_L (replaces d ln_f out)
         tl.free("other", sbh * c)
         for i in reversed(range(sh.layers)):
@@ -209,6 +195,82 @@ class Step:
         tl.free("other", sbh * r)
         self.reduce(z.root, self.root_names, sync)
         self.release(z.root)
+
+    def head_input(self) -> float:
+        """ln_f's output, the head's input, kept for backward (on the host under activation offload)."""
+        return self.keep(self.sh.sbh * self.c)
+
+    def head_cast_kept(self) -> float:
+        """Autocast's cast of the head's weight, kept from forward for backward: not by the chunked
+        loss, which casts for itself in forward and again in backward."""
+        return 0.0 if self.z.loss_chunks > 1 else self.keep(self.z.lm_head_cast)
+
+    def slices(self) -> tuple[int, float]:
+        """The loss's slices of the micro-batch's tokens: how many, and the largest one's logits
+        as elements (tokens x V). The standard loss is one slice of every token."""
+        n = min(self.z.loss_chunks, self.sh.sb)
+        return n, -(-self.sh.sb // n) * self.sh.vocab
+
+    def loss_forward(self) -> None:
+        """Logits in the compute dtype and their fp32 copy, then what the loss makes of them. The
+        standard loss keeps its log-softmax (fp32) for backward (on the host under offload); a
+        chunked slice takes logsumexp (one more fp32 slice-sized temporary) and keeps nothing."""
+        tl, c = self.tl, self.c
+        n, q = self.slices()
+        made = q * c + (q * 4 if c != 4 else 0)
+        if n == 1:
+            tl.alloc("activations", made)
+            tl.alloc("activations", self.keep(q * 4))
+            tl.free("activations", made)
+            return
+        for _ in range(n):  # the compute-dtype logits go once copied to fp32, before logsumexp's temporary
+            tl.alloc("activations", made)
+            tl.free("activations", made - q * 4)
+            tl.transient("activations", q * 4)
+            tl.free("activations", q * 4)
+
+    def loss_backward(self) -> None:
+        """Loss -> log-softmax -> logits -> head: gradients of the head's input (d ln_f out,
+        `other` until it becomes d x_L) and of its weight. A tied head's share of the embedding
+        gradient waits in autograd's buffer (a temporary) until the embedding's share is added;
+        only then does it become wte.grad. An untied head's gradient is its own at once."""
+        tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
+        n, q = self.slices()
+        head = z.grads[sh.lm_head] if sh.lm_head else z.grads[sh.embedding]
+        if n > 1:
+            return self.chunked_backward(n, q, head)
+        back = q * 4 - keep(q * 4)  # an offloaded log-softmax, copied back for its backward
+        tl.alloc("activations", back)
+        tl.alloc("other", 2 * q * 4)  # d log-softmax, d logits
+        tl.free("activations", keep(q * 4) + back)
+        tl.free("other", q * 4)
+        if c != 4:
+            tl.transient("other", q * c)
+        tl.alloc("other", sh.sbh * c)  # d ln_f out
+        self.grad(head) if sh.lm_head else tl.alloc("other", head)
+        tl.free("other", q * 4)
+
+    def chunked_backward(self, n: int, q: float, head: float) -> None:
+        """loss=chunked: d ln_f out and the weight's gradient allocated whole, the weight cast once
+        under autocast, then slice by slice the logits recomputed and turned into their gradient
+        in place, multiplied into both (under autocast the weight's share is made in the compute
+        dtype, then added)."""
+        tl, sh, z, c = self.tl, self.sh, self.z, self.c
+        tl.alloc("other", sh.sbh * c + head + z.lm_head_cast)
+        for _ in range(n):
+            made = q * c + (q * 4 if c != 4 else 0)
+            tl.alloc("other", made)
+            tl.free("other", made - q * 4)  # the fp32 logits stay, to become their gradient
+            tl.transient("other", q * 4)  # logsumexp's temporary
+            if c != 4:  # ... cast to the compute dtype for the matmuls
+                tl.alloc("other", q * c)
+                tl.free("other", q * 4)
+            tl.transient("other", z.lm_head_cast)  # the weight's share in the compute dtype (autocast)
+            tl.free("other", q * c if c != 4 else q * 4)
+        tl.free("other", z.lm_head_cast)
+        if sh.lm_head:
+            tl.free("other", head)
+            self.grad(head)
 
     def grad(self, nbytes: float) -> None:
         """A parameter's gradient arrives: new, or added into the one from an earlier micro-step

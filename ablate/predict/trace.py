@@ -44,6 +44,8 @@ def trace(spec: RunSpec) -> Prediction:
     ddp = isinstance(t.parallel, par.DDP)
     if ddp:  # a DDP rank computes what a single process does; its gradient buckets are added below
         t.parallel = par.Single()
+    if isinstance(t.optimizer, opt.LowBitAdamW):  # torchao caches its quantisation tables for the process:
+        t.optimizer.make_tables()  # made here, of real values, not in fake mode of 1.0s
     with _fake_world(t.parallel), FakeTensorMode() as mode, _real_optimizer_defaults(), _value_reads(t):
         with _swappable_params(mode):
             # compile=true is traced eager: compiled kernels cannot run on fake tensors. Inductor's
@@ -195,9 +197,11 @@ def _real_optimizer_defaults() -> Iterator[None]:
 
 
 def _value_reads(t: Techniques) -> contextlib.AbstractContextManager:
-    """_ValueReads for the optimizers known to read values (Adafactor, 8-bit AdamW), nothing for
-    the others: any other data-dependent read is a new case to look at, so it still fails loudly."""
-    return _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit)) else contextlib.nullcontext()
+    """_ValueReads for the optimizers known to read values (Adafactor, the 8-bit and low-bit
+    AdamWs), nothing for the others: any other data-dependent read is a new case to look at, so it
+    still fails loudly."""
+    return _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit, opt.LowBitAdamW)) \
+        else contextlib.nullcontext()
 
 
 class _ValueReads(TorchDispatchMode):

@@ -27,6 +27,7 @@ class Plan:
     stochastic_rounding: bool = False  # bf16 parameters updated with stochastic rounding
     sharded: bool = False  # the parallel option shards parameters (FSDP)
     in_backward: bool = False  # the optimizer steps each parameter inside backward
+    chunked_loss: bool = False  # the loss option takes the model's hidden states and head (not its logits)
 
 
 class Option:

@@ -1,0 +1,114 @@
+"""loss group: how the LM head and the cross-entropy turn the last hidden states into the loss.
+
+The loss is where a small model's largest tensors live: GPT-2's 50,257-token head at batch 8 x seq
+1024 makes (B, T, vocab) logits of 1.5 GiB in fp32, and the standard path keeps their log-softmax
+for backward and makes two gradients of that size in it. `chunked` never lets them exist whole.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ablate.techniques import Invalid, Option, Plan
+
+
+class Standard(Option):
+    """The model's own head over the whole batch: (B, T, vocab) logits, their fp32 copy and the
+    log-softmax (kept for backward) all alive at once, then two gradients of that size in backward."""
+
+    chunks = 1  # what the predictor reads: the logits exist whole
+    from_hidden = False  # the model's own logits, not its hidden states and head
+
+    def attach(self, model: nn.Module) -> None:
+        """Nothing to change: the model computes its logits and loss itself."""
+
+
+class Chunked(Standard):
+    """The LM head and the cross-entropy over `chunks` slices of the batch's tokens, each slice's
+    logits freed at once and recomputed in backward. Saves: the whole (B, T, vocab) logits, their
+    fp32 copy, log-softmax and gradients (at most one slice's are alive: 1/chunks of them), and
+    the head weight's gradient is summed in place into one buffer instead of out of place per use.
+    Spends: the head's matmul once more in backward (2·B·T·vocab·hidden FLOPs).
+
+    Written as a torch autograd Function (_ChunkedCrossEntropy) rather than a fused Triton kernel
+    (Liger-Kernel's fused linear cross-entropy needs Triton, so a GPU), so that it runs on the CPU
+    as on a GPU, under every precision and parallel option. The model hands it its final hidden
+    states and its head (`model.loss_fn`), so it works for every family whose head is a plain
+    linear layer."""
+
+    from_hidden = True
+
+    def __init__(self, chunks: int = 8):
+        self.chunks = chunks
+
+    def check(self, plan: Plan) -> None:
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            raise Invalid(f"loss.chunks={self.chunks!r} must be a positive integer")
+        tokens = plan.batch_size // max(plan.accumulation_steps, 1) * plan.seq_len
+        if self.chunks > tokens:
+            raise Invalid(f"loss.chunks={self.chunks} > the {tokens} tokens of a micro-batch: "
+                          f"a chunk would be empty")
+
+    def attach(self, model: nn.Module) -> None:
+        model.loss_fn = self
+
+    def __call__(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of head(hidden) against targets, summed in fp32 as the standard loss
+        is. hidden: (B, T, C) after the final norm; targets: (B, T). The head's weight and bias go
+        in, not the module: what hooks modules once per forward (MemTracker, FSDP) sees no call."""
+        h, y = hidden.flatten(0, 1), targets.flatten()  # (N, C), (N,)
+        return _ChunkedCrossEntropy.apply(h, head.weight, head.bias, y, self.chunks) / y.numel()
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of h (N, C) @ weight (V, C).T + bias against y (N,), slice by slice.
+    Forward keeps only its inputs; backward recomputes each slice's logits and turns them into
+    their gradient in place (softmax - one-hot), so one slice's (n, V) logits are alive at a time.
+    Under autocast the matmuls run in its dtype, as the head's would: the Function casts itself
+    (autocast does not reach inside it) and takes logsumexp in fp32."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunks):
+        dtype = _compute_dtype(h.device.type, weight.dtype)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            for hs, ys in zip(h.chunk(chunks), y.chunk(chunks)):
+                logits = F.linear(hs.to(dtype), w, b).float()  # (n, V)
+                total += (logits.logsumexp(-1) - logits.gather(1, ys[:, None]).squeeze(1)).sum()
+        ctx.save_for_backward(h, weight, bias, y)
+        ctx.dtype, ctx.chunks = dtype, chunks
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h, weight, bias, y = ctx.saved_tensors
+        grad_h = torch.empty_like(h)  # (N, C)
+        grad_w = torch.zeros_like(weight)  # (V, C), summed in place over the slices
+        grad_b = None if bias is None else torch.zeros_like(bias)
+        with torch.autocast(h.device.type, enabled=False):
+            w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
+            start = 0
+            for hs, ys in zip(h.chunk(ctx.chunks), y.chunk(ctx.chunks)):
+                hs = hs.to(ctx.dtype)
+                g = F.linear(hs, w, b).float()  # (n, V) logits, then in place their gradient:
+                g -= g.logsumexp(-1, keepdim=True)
+                g.exp_()  # softmax
+                g[torch.arange(len(ys), device=g.device), ys] -= 1
+                g *= grad_total
+                g = g.to(ctx.dtype)
+                grad_h[start:start + len(ys)] = g @ w
+                if grad_w.dtype == ctx.dtype:  # (V, C), summed in place
+                    grad_w.addmm_(g.t(), hs)
+                else:  # autocast: the slice's share in the compute dtype, added into the parameter dtype
+                    grad_w += g.t() @ hs
+                if grad_b is not None:
+                    grad_b += g.sum(0)
+                start += len(ys)
+        return grad_h, grad_w, grad_b, None, None
+
+
+def _compute_dtype(device_type: str, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the head's matmul would run in: autocast's, inside it; else the parameters'."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else param_dtype

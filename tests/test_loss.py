@@ -1,0 +1,122 @@
+"""The loss group: the chunked cross-entropy equals the standard one, saves the logits' memory, and
+the analytic model knows its bytes."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ablate.build import check_config
+from ablate.predict.analytic import analytic
+from ablate.techniques import Invalid
+from ablate.techniques.loss import Chunked
+from tests.helpers import compose_spec, results_under, run_cli, train_nano
+from tests.test_predict import NANO, measured
+
+MIB = 2**20
+
+
+def grads_of(loss_fn, h, weight, bias, y):
+    """(loss, dh, dweight, dbias) of a fresh copy of the inputs."""
+    h, weight = h.detach().requires_grad_(), weight.detach().requires_grad_()
+    bias = None if bias is None else bias.detach().requires_grad_()
+    loss = loss_fn(h, weight, bias, y)
+    loss.backward()
+    return loss.detach(), h.grad, weight.grad, None if bias is None else bias.grad
+
+
+def standard(h, weight, bias, y):
+    return F.cross_entropy(F.linear(h, weight, bias).float().flatten(0, 1), y.flatten())
+
+
+def chunked(n):
+    def loss(h, weight, bias, y):
+        return Chunked(n)(h, SimpleNamespace(weight=weight, bias=bias), y)  # it reads only the head's tensors
+    return loss
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 8, 37])  # 3 does not divide the 74 tokens; 37 is 2 per slice
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_gives_the_standard_loss_and_gradients(chunks, with_bias):
+    torch.manual_seed(0)
+    h, y = torch.randn(2, 37, 16), torch.randint(0, 101, (2, 37))
+    weight, bias = torch.randn(101, 16) * 0.3, torch.randn(101) if with_bias else None
+    ours, theirs = grads_of(chunked(chunks), h, weight, bias, y), grads_of(standard, h, weight, bias, y)
+    for a, b in zip(ours, theirs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_under_autocast_computes_as_the_head_would():
+    """bf16 autocast: the chunked slices run their matmuls in bf16 too, so they agree with the
+    standard loss to bf16's precision, and the gradients keep their inputs' dtypes."""
+    torch.manual_seed(0)
+    h, y, weight = torch.randn(4, 32, 64), torch.randint(0, 512, (4, 32)), torch.randn(512, 64) * 0.05
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, theirs = grads_of(chunked(8), h, weight, None, y), grads_of(standard, h, weight, None, y)
+    assert ours[1].dtype == ours[2].dtype == torch.float32
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-3, atol=0)
+    for a, b in zip(ours[1:3], theirs[1:3]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_pure"])
+def test_training_with_the_chunked_loss_follows_the_standard_one(precision):
+    plain = train_nano([f"precision={precision}"], steps=4)[0]
+    ours = train_nano([f"precision={precision}", "loss=chunked", "loss.chunks=5"], steps=4)[0]
+    assert plain[-1] < plain[0]
+    assert ours == pytest.approx(plain, rel=1e-5 if precision == "fp32" else 2e-2)
+
+
+# gpt-nano with a 2,048-token vocabulary: the logits dominate, as at GPT-2's 50,257.
+BIG_VOCAB = [*NANO, "model.vocab_size=2048", "data.vocab_size=2048"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure"])
+@pytest.mark.parametrize("accumulation", ["none", "x4"])
+def test_analytic_knows_the_chunked_losss_bytes(precision, accumulation):
+    overrides = [f"precision={precision}", f"accumulation={accumulation}", "loss=chunked"]
+    real, pred = measured(overrides, BIG_VOCAB), analytic(compose_spec([*BIG_VOCAB, *overrides]))
+    assert pred.category_max_mib["grads"] * MIB == real.category_max["grads"] * MIB
+    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.05)
+
+
+def test_chunked_saves_most_of_the_logits_bytes():
+    """MemTracker's peak drops by at least 80% of the whole logits' fp32 bytes (batch 8 x seq 32 x
+    2,048 tokens x 4 B = 2 MiB), and the predictor sees the same saving."""
+    logits = 8 * 32 * 2048 * 4 / MIB
+    saved = measured([], BIG_VOCAB).peak_mib - measured(["loss=chunked"], BIG_VOCAB).peak_mib
+    assert saved >= 0.8 * logits
+    predicted = analytic(compose_spec(BIG_VOCAB)).peak_mib - analytic(compose_spec([*BIG_VOCAB, "loss=chunked"])).peak_mib
+    assert predicted == pytest.approx(saved, rel=0.1)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["loss.chunks=0"], "loss.chunks=0 must be a positive integer"),
+    (["loss.chunks=300", "batch_size=8", "seq_len=32"], r"loss.chunks=300 > the 256 tokens of a micro-batch"),
+    (["model=hf", "+model.config.model_type=gemma2", "+model.config.num_hidden_layers=1"],
+     r"loss=chunked needs logits that are the head's output alone; model_type='gemma2'"),
+])
+def test_invalid_chunked_losses_name_their_key(overrides, match):
+    with pytest.raises(Invalid, match=match):
+        check_config(compose_spec(["device=cpu", "loss=chunked", *overrides]))
+
+
+@pytest.mark.slow
+def test_the_issues_gpt2_sweep_saves_the_logits(tmp_path):
+    """GPT-2's real vocabulary on CPU through the CLI: equal losses, and a peak lower by at least
+    80% of the (4 x 256 x 50,257) fp32 logits (196 MiB)."""
+    proc = run_cli(["-m", "loss=standard,chunked", "model=gpt2", "batch_size=4", "seq_len=256", "steps=2",
+                    "warmup_steps=2", "device=cpu", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, fast=False, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["choices"]["loss"]: r for r in results_under(tmp_path / "s")}
+    assert [rows[k]["status"] for k in ("standard", "chunked")] == ["ok", "ok"]
+    m = {k: r["metrics"] for k, r in rows.items()}
+    assert m["chunked"]["losses"] == pytest.approx(m["standard"]["losses"], rel=1e-4)
+    logits = 4 * 256 * 50257 * 4 / MIB
+    assert m["standard"]["peak_allocated_mib"] - m["chunked"]["peak_allocated_mib"] >= 0.8 * logits
+    for row in rows.values():  # and the predictor saw each peak
+        assert row["prediction"]["peak_mib"] == pytest.approx(row["metrics"]["peak_allocated_mib"], rel=0.05)

@@ -1,0 +1,142 @@
+"""Where the memory went: memory_by_module.csv from a real CPU point, its shares adding up to the
+traced peak, the report's module plot, and the snapshot links (CUDA snapshots: tests/test_gpu.py)."""
+from __future__ import annotations
+
+import matplotlib.image as mpimg
+import pandas as pd
+import pytest
+import torch
+
+from ablate import artifacts, measure, results
+from ablate.data import Synthetic
+from ablate.train import train_step
+from analysis.load import load
+from analysis.report import main
+from analysis.where import SNAPSHOT_NOTE, folded, own_shares
+from helpers import run_cli, train_nano
+
+
+@pytest.fixture(scope="module")
+def point(tmp_path_factory):
+    """One gpt-nano point through the CLI on CPU: (its result, its run directory)."""
+    out = tmp_path_factory.mktemp("out")
+    proc = run_cli([], out)
+    assert proc.returncode == 0, proc.stderr
+    (path,) = out.rglob(results.RESULT_FILE)
+    return results.read(path), path.parent
+
+
+def test_a_cpu_point_writes_memory_by_module_and_names_it(point):
+    result, run_dir = point
+    assert result["status"] == "ok", result["reason"]
+    # the file is named; no CUDA allocator on a CPU, so no snapshot, and the key is there as null
+    assert result["artifacts"] == {"memory_by_module": "memory_by_module.csv", "memory_snapshot": None,
+                                   "oom_snapshot": None}
+    rows = pd.read_csv(run_dir / result["artifacts"]["memory_by_module"])
+    assert list(rows.columns) == list(artifacts.MODULE_COLUMNS)
+    by_name = rows.set_index("module")
+    blocks = [f"transformer.h.{i}" for i in range(result["config"]["model"]["n_layer"])]
+    assert set(blocks) <= set(by_name.index) and by_name.loc["model", "depth"] == 0
+    assert (by_name.loc[blocks, "depth"] == 3).all()
+    assert (by_name.loc[blocks, ["fwd_peak_mib", "bwd_peak_mib", "at_peak_mib"]] > 0).all().all()
+
+
+def test_the_root_row_is_the_traced_peak_and_its_breakdown(point):
+    result, run_dir = point
+    rows = pd.read_csv(run_dir / "memory_by_module.csv").set_index("module")
+    # on a CPU the peak is the traced one
+    peak, breakdown = result["metrics"]["peak_allocated_mib"], result["metrics"]["breakdown_mib"]
+    assert rows.loc["model", "at_peak_mib"] == pytest.approx(peak, rel=1e-3)
+    for key, mib in breakdown.items():
+        assert rows.loc["model", f"at_peak_{key}_mib"] == pytest.approx(mib, rel=1e-3, abs=1e-3)
+    # no module's window goes above the step's peak; the blocks' shares are parts of the breakdown's
+    assert rows[["fwd_peak_mib", "bwd_peak_mib"]].max().max() <= peak * 1.001
+    blocks = rows[rows.index.str.fullmatch(r"transformer\.h\.\d+")]
+    assert blocks["at_peak_activations_mib"].sum() <= breakdown["activations"] + 1e-3
+    assert blocks["at_peak_params_mib"].sum() < breakdown["params"]  # embeddings hold the rest
+
+
+def test_own_shares_partition_the_peak_and_fold_repeated_layers(point):
+    result, run_dir = point
+    table = pd.read_csv(run_dir / "memory_by_module.csv")
+    own = own_shares(table)
+    cats = ["params", "grads", "optimizer", "activations", "other"]
+    assert own[cats].to_numpy().sum() == pytest.approx(table.loc[table["module"] == "model", "at_peak_mib"].item(),
+                                                       rel=1e-3)
+    bars = folded(own)
+    n_layer = result["config"]["model"]["n_layer"]
+    assert bars.loc["transformer.h.*.mlp.c_fc", "count"] == n_layer and bars.loc["transformer.h.*.mlp.c_fc", "leaf"]
+    assert not bars.loc["transformer.h.*", "leaf"] and bars.loc["model", "count"] == 1
+    assert bars["total"].is_monotonic_decreasing
+
+
+def test_the_report_draws_the_modules_and_lists_no_snapshot_on_cpu(point, tmp_path):
+    _, run_dir = point
+    assert main([str(run_dir), "--format", "html", "--out", str(tmp_path)]) == 0
+    png = tmp_path / "memory_by_module.png"
+    image = mpimg.imread(png)
+    assert image.shape[0] > 200 and image.std() > 0.01  # drawn, not blank
+    assert "![memory_by_module](memory_by_module.png)" in (tmp_path / "report.md").read_text()
+    assert "memory_viz" not in (tmp_path / "report.html").read_text()  # nothing to open there
+
+
+def test_a_row_naming_a_snapshot_is_linked_with_how_to_open_it(tmp_path):
+    """Rendering only: a result that names snapshots (as a CUDA run's does) gets links in both pages."""
+    named = {"memory_by_module": None, "memory_snapshot": "memory_snapshot.pickle", "oom_snapshot": None}
+    r = results.make("abc123", "ok", None, {"model": "gpt-nano", "optimizer": "adamw"}, {"batch_size": 8}, [],
+                     metrics={"peak_allocated_mib": 10.0}, artifacts=named)
+    results.write_json(tmp_path / "runs" / "a" / "result.json", r)
+    (row,) = load([tmp_path / "runs"]).to_dict("records")
+    assert row["artifact_memory_snapshot"] == str(tmp_path / "runs" / "a" / "memory_snapshot.pickle")
+    assert row["artifact_oom_snapshot"] is None
+    out = tmp_path / "report"
+    assert main([str(tmp_path / "runs"), "--format", "html", "--out", str(out)]) == 0
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "## Memory snapshots" in md and "[memory_snapshot.pickle](../runs/a/memory_snapshot.pickle)" in md
+    assert SNAPSHOT_NOTE in md
+    assert '<a href="../runs/a/memory_snapshot.pickle">memory_snapshot.pickle</a>' in page
+    assert '<a href="https://pytorch.org/memory_viz">' in page
+
+
+def test_results_name_the_files_a_worker_left_and_clear_old_ones(tmp_path):
+    assert results.find_artifacts(tmp_path) == dict.fromkeys(results.ARTIFACTS)
+    (tmp_path / "memory_by_module.csv").write_text("module\n")
+    (tmp_path / "oom_snapshot.rank3.pickle").write_bytes(b"")
+    (tmp_path / "oom_snapshot.rank1.pickle").write_bytes(b"")
+    assert results.find_artifacts(tmp_path) == {"memory_by_module": "memory_by_module.csv", "memory_snapshot": None,
+                                                 "oom_snapshot": "oom_snapshot.rank1.pickle"}
+    results.clear_artifacts(tmp_path)  # a rerun in the same directory starts without them
+    assert results.find_artifacts(tmp_path) == dict.fromkeys(results.ARTIFACTS)
+
+
+def test_a_result_copied_to_another_sweep_brings_its_files(tmp_path):
+    """skip_existing copies a finished point's row into the new sweep's directory, unchanged: the
+    files it names come along (hard links), so its names hold there too."""
+    from ablate.job import link_artifacts
+
+    old, new = tmp_path / "first" / "p", tmp_path / "again" / "p"
+    old.mkdir(parents=True)
+    new.mkdir(parents=True)
+    (old / "memory_by_module.csv").write_text("module\n")
+    r = {"artifacts": {"memory_by_module": "memory_by_module.csv", "memory_snapshot": None, "oom_snapshot": None}}
+    link_artifacts(r, old, new)
+    assert (new / "memory_by_module.csv").read_text() == "module\n"
+    assert results.find_artifacts(new) == r["artifacts"]
+    link_artifacts({}, old, new)  # an older result names none
+
+
+@pytest.mark.parametrize("overrides", [["checkpoint=block"], ["accumulation=x2"]])
+def test_module_names_and_shares_hold_under_wrappers_and_micro_batches(overrides):
+    """Block recompute wraps each block (its rows keep their names); accumulation runs the root's
+    forward twice in the traced step. Either way the root's row is the traced peak, and at the
+    peak (the optimizer step) each linear layer holds a gradient the size of its weights."""
+    _, model, optimizer, t = train_nano(overrides, steps=1, batch_size=8, seq_len=16)
+    data, device = Synthetic(vocab_size=128, train_samples=64).load(16), torch.device("cpu")
+    scaler = t.precision.grad_scaler("cpu")
+    trace = measure.traced_step(lambda: train_step(model, optimizer, scaler, t, data.train_batch(1, 8), device),
+                                model, optimizer, device)
+    rows = {r["module"]: r for r in artifacts.module_rows(trace, model)}
+    assert "transformer.h.0.mlp.c_fc" in rows and not any("_checkpoint_wrapped_module" in n for n in rows)
+    assert rows["model"]["at_peak_mib"] == pytest.approx(trace.peak_mib, rel=1e-6)
+    fc = rows["transformer.h.0.mlp.c_fc"]
+    assert fc["at_peak_grads_mib"] == pytest.approx(fc["at_peak_params_mib"], rel=1e-6) and fc["at_peak_params_mib"] > 0
