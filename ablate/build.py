@@ -47,7 +47,8 @@ def plan_of(spec: RunSpec, device: str, t: Techniques) -> Plan:
     return Plan(device=device, batch_size=spec.batch_size, seq_len=spec.seq_len,
                 world_size=t.parallel.world_size, accumulation_steps=t.accumulation.steps,
                 grad_scaler=t.precision.scales_loss, param_dtype=t.precision.param_dtype,
-                stochastic_rounding=t.precision.stochastic_rounding, sharded=t.parallel.shards_params,
+                stochastic_rounding=t.precision.stochastic_rounding,
+                sharded=t.parallel.shards_params or t.offload.shards_params,
                 in_backward=t.optimizer.in_backward, chunked_loss=t.loss.from_hidden)
 
 
@@ -92,6 +93,9 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
     t.model.load_weights(model)
     t.loss.attach(model)  # before any wrapper: the model's own forward hands its hidden states to the loss
     adapter = t.model.adapter  # where the layers are, for every technique below
+    # 1b. Layers swapped for another number format (fp8) on the bare model, before recompute
+    #     wrappers and compile see them (torchtitan's order).
+    model = t.precision.convert(model, adapter)
     # 2. Recompute wrappers go on the bare layers, before compile and any parallel wrapper hide them.
     model = t.checkpoint.apply(model, adapter)
     # 3. Compile the wrapped model before the parallel wrap (torchtitan's order), so DDP/FSDP

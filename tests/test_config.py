@@ -16,8 +16,6 @@ from ablate.schema import GROUPS, unknown_key
 from ablate.techniques import Invalid
 from helpers import CONF, ROOT, compose_config, compose_spec
 
-# Options that are invalid next to the other groups' defaults, and the rule that says so.
-NEEDS_ANOTHER_GROUP = {("offload", "params"): "offload=params needs parallel=fsdp"}
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 
 
@@ -38,10 +36,7 @@ def test_every_option_instantiates(group, option, tmp_path):
         return
     built = instantiate(cfg[group])
     assert type(built).__name__ == cfg[group]["_target_"].rsplit(".", 1)[1]
-    if (group, option) in NEEDS_ANOTHER_GROUP:
-        with pytest.raises(Invalid, match=NEEDS_ANOTHER_GROUP[group, option]):
-            check_config(RunSpec.of(cfg))
-    elif group in TECHNIQUE_GROUPS:
+    if group in TECHNIQUE_GROUPS:
         check_config(RunSpec.of(cfg))  # the default combination with this option is valid
 
 

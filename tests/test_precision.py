@@ -9,7 +9,7 @@ from ablate.spec import RunSpec
 from ablate.build import check_config
 from ablate.measure import StepCounter
 from ablate.techniques import Invalid, Plan
-from ablate.techniques.precision import BF16, FP16, FP32, TF32, BF16Pure
+from ablate.techniques.precision import BF16, FP8, FP16, FP32, TF32, BF16Pure
 from ablate.train import train_step
 from ablate.data import Synthetic
 from helpers import compose_config, compose_spec, train_nano
@@ -96,3 +96,30 @@ def test_bf16_on_a_gpu_without_bf16_is_invalid(monkeypatch):
             option.check(plan)
     FP16().check(plan)  # fp16 needs no bf16
     BF16().check(Plan(device="auto", batch_size=8, seq_len=16))  # the job cannot know yet
+
+
+def test_fp8_on_a_cpu_is_an_invalid_row_naming_the_gpu_it_needs():
+    with pytest.raises(Invalid, match=r"precision=fp8 needs a CUDA GPU of compute capability >= 8\.9 .*device=cpu"):
+        check_config(compose_spec(["precision=fp8", "device=cpu"]))
+
+
+def test_fp8_names_the_capability_of_an_older_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    with pytest.raises(Invalid, match=r"compute capability >= 8\.9 .*NVIDIA A100 is 8\.0"):
+        FP8().check(Plan(device="cuda", batch_size=8, seq_len=16))
+
+
+def test_fp8_converts_the_decoder_layers_linears_and_leaves_the_head_and_odd_sizes():
+    """torchao's float8 layers replace each Linear inside the repeated layers whose sizes _scaled_mm
+    takes (multiples of 16); the LM head stays a Linear (it computes in bf16)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    t = check_config(compose_spec(["model=gpt-nano", "model.n_embd=48", "model.n_head=3"]), "auto")
+    model = FP8().convert(t.model.build(), t.model.adapter)
+    kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert all(kinds[n] is Float8Linear for n in kinds if n.startswith("transformer.h."))
+    assert kinds["lm_head"] is torch.nn.Linear and sum(k is Float8Linear for k in kinds.values()) == 4 * 3
+    odd = check_config(compose_spec(["model=gpt-nano", "model.n_embd=40", "model.n_head=4"]), "auto")
+    assert not any(isinstance(m, Float8Linear) for m in FP8().convert(odd.model.build(), odd.model.adapter).modules())

@@ -8,7 +8,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.helpers import CONF, ROOT, results_under, run_cli
+from tests.helpers import CONF, ROOT, compose_spec, results_under, run_cli
 
 # preset -> (model, rungs of its ladder (None: a plain grid), grid points it runs)
 PRESETS = {
@@ -16,7 +16,7 @@ PRESETS = {
     "gpt2_xl_fsdp_batch_scan": ("gpt2-xl", 3, 14),
     "single_gpu_techniques": ("gpt2", 11, 11),
     "layer_recompute": ("gpt-nano", 6, 6),
-    "leanest": ("gpt2-large", 3, 3),
+    "leanest": ("gpt2-large", 6, 6),
     "gpt2_throughput": ("gpt2", None, 2),
     "predict_check": ("gpt2", None, 16),
     "fit_llama_1b": ("llama3.2-1b", 6, 18),
@@ -107,8 +107,28 @@ def test_batch_scan_grows_with_the_batch_and_recompute_shrinks_it(plan):
 
 
 def test_leanest_is_a_fraction_of_the_baseline(plan):
-    baseline, lean8bit, lean_adafactor = peaks(plan("leanest"))
-    assert lean8bit < baseline / 4 and lean_adafactor < lean8bit
+    baseline, lean8bit, chunked, lean4bit, adafactor, host = peaks(plan("leanest"))
+    assert lean8bit < baseline / 4 and chunked < lean8bit and lean4bit < lean8bit
+    # gpt2-large's quantised wte (64M elements) makes 4-bit's compiled step keep ~26 B/element of
+    # temporaries at once (the predictor's figure, read from inductor's CPU code): more than the
+    # 8-bit states it saves on this model, not on gpt2-xl (whose wte stays unquantised).
+    assert host == min(baseline, lean8bit, chunked, lean4bit, adafactor, host)
+
+
+def test_leanest_trains_gpt2_xl_with_an_adamw_class_optimizer_in_6_gib():
+    """Issue 38's goal, planned on a CPU: gpt2-xl at batch 8 x seq 1024 under 6 GiB with 4-bit
+    AdamW states (not Adafactor, whose loss was 30% worse on 2026-11-22)."""
+    from omegaconf import OmegaConf
+
+    from ablate.predict.analytic import analytic
+
+    preset = OmegaConf.load(CONF / "experiment" / "leanest.yaml")
+    under = {}
+    for rung in preset.hydra.sweeper.rungs:
+        keys = [f"{k}={v}".replace("True", "true") for k, v in rung.items()]
+        spec = compose_spec(["model=gpt2-xl", "device=cuda", "batch_size=8", "seq_len=1024", *keys])
+        under[rung.get("optimizer", "adamw")] = analytic(spec).peak_mib / 1024 <= 6
+    assert under["adamw4bit"] and not under["adamw8bit"]
 
 
 def bench(preset: str, tmp_path, *overrides: str) -> str:

@@ -12,9 +12,10 @@ import pytest
 from ablate.schema import GROUPS
 from helpers import CONF, FAST, ROOT, results_under
 
-SWEPT = ("accumulation", "checkpoint", "precision", "optimizer", "offload")
+SWEPT = ("accumulation", "checkpoint", "precision", "optimizer", "offload", "loss")
 # On a CPU these can only be invalid rows, each for a stated reason.
-EXPECTED_INVALID = {("offload", "optimizer"): "needs a CUDA device", ("offload", "params"): "needs parallel=fsdp"}
+EXPECTED_INVALID = {("offload", "optimizer"): "needs a CUDA device",
+                    ("optimizer", "adamw_fp8"): "compute capability >= 8.9", ("precision", "fp8"): "compute capability >= 8.9"}
 # Longer sequences for recompute, so that activations, not optimizer states, make the peak.
 EXTRA = {"checkpoint": ["seq_len=32", "batch_size=16"]}
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from ablate.build import Techniques
 from ablate.predict import Prediction
 from ablate.predict.layers import Arch, arch_of, layer_saves, mlp_saves
@@ -34,6 +36,7 @@ from ablate.techniques import checkpoint as ckpt
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
 from ablate.techniques.offload import Activations, OptimizerState, Params
+from ablate.techniques.precision import FP8, fp8_sized
 
 MIB = 2**20
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -182,20 +185,28 @@ def _step_temp_bytes(t: Techniques, groups: list[list[int]], d: int, device: str
     raise Unmodelled(f"no memory model for optimizer option {type(o).__name__}")
 
 
+def _fsdp(t: Techniques) -> bool:
+    """Whether FSDP shards the parameters: a sharded parallel option, or offload=params (in one
+    process, FSDP over a group of one rank)."""
+    return t.parallel.shards_params or isinstance(t.offload, Params)
+
+
 def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
     """Parameters, gradients, optimizer states and FSDP's units on one rank (bytes)."""
     pd = BYTES[t.precision.param_dtype]
     gd = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]  # FSDP's mp param_dtype
     p = t.parallel
-    world = max(p.world_size, 1) if p.shards_params else 1
+    fsdp = _fsdp(t)
+    world = max(p.world_size, 1) if p.shards_params else 1  # offload=params alone: FSDP over one rank
     local = {n: math.prod(_local_shape(s, world)) for n, s in sh.param_shapes.items()}
-    offloaded = isinstance(t.offload, Params)  # FSDP CPU offload: shards, their grads and states on the host
+    # FSDP CPU offload: shards, their grads and states on the host (on a CPU, the host is the device)
+    offloaded = isinstance(t.offload, Params) and device != "cpu"
     states = sum(_state_bytes(t, _local_shape(s, world), pd, device) for s in sh.param_shapes.values())
     if isinstance(t.optimizer, opt.AdamW8bit) and max(local.values()) >= t.optimizer.min_8bit_size:
         states += 2 * 256 * 4  # the two fp32 quantisation maps, shared by every 8-bit tensor
     if offloaded or isinstance(t.offload, OptimizerState):
         states = 0.0
-    grads = {n: numel * (gd if p.shards_params else pd) for n, numel in sh.param_numels.items()}
+    grads = {n: numel * (gd if fsdp else pd) for n, numel in sh.param_numels.items()}
     if isinstance(t.offload, OptimizerState) and t.offload.gradients:
         grads = dict.fromkeys(grads, 0.0)
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
@@ -204,7 +215,7 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
               other=(sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0)  # DDP's buckets
               + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
               grads_in_buckets=isinstance(p, par.DDP) and p.gradient_as_bucket_view)
-    if p.shards_params:
+    if fsdp:
         reduce_d = 4 if t.precision.autocast_dtype else pd  # FSDP reduces in fp32 under autocast
 
         def unit(names: list[str]) -> Unit:
@@ -216,7 +227,7 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
         z.root = unit([n for n in local if n not in in_layers])
         z.block = unit(sh.layer_names[0])
         z.reshard = getattr(p, "reshard_after_forward", getattr(p, "sharding", "full") == "full")
-        z.sync_each = p.sync_each_micro_step
+        z.sync_each = getattr(p, "sync_each_micro_step", True)  # fully_shard's own default
     return z
 
 
@@ -227,7 +238,8 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     # Autocast adds the residual stream in fp32, unless FSDP's mixed precision gathers the
     # embeddings in the compute dtype: then the stream is 16-bit too. CUDA autocast runs LayerNorm
     # in fp32, so there each LayerNorm keeps an fp32 copy of a 16-bit input (CPU autocast does not).
-    z.r = z.c if isinstance(t.parallel, (par.FSDP, par.FSDP1)) else BYTES[t.precision.param_dtype]
+    fsdp_mp = isinstance(t.parallel, (par.FSDP, par.FSDP1)) or isinstance(t.offload, Params)
+    z.r = z.c if fsdp_mp else BYTES[t.precision.param_dtype]
     # RMSNorm (llama) keeps an fp32 copy of any input.
     z.ln = 4 if sh.arch.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else z.r
     z.inner_temp = (1 if sh.arch.kind == "neox" else 2) * sh.sb * sh.arch.inter * z.c  # GPT-2: d c_fc out and d GELU out, (B, T, 4C) each
@@ -246,8 +258,8 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the
     # copy until forward ends, and the matmul saves it for backward. FSDP's mixed precision
     # gathers parameters already in that dtype, so nothing is cast there.
-    if t.precision.autocast_dtype and not t.parallel.shards_params:
-        z.block_cast = sum(sh.param_numels[n] for n in sh.linear_names) * z.c
+    if t.precision.autocast_dtype and not _fsdp(t):
+        z.block_cast = (sum(sh.param_numels[n] for n in sh.linear_names) - _fp8_weights(t)) * z.c
         z.lm_head_cast = sh.vocab * sh.h * z.c
     z.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
     z.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
@@ -256,6 +268,16 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     # reduce dtype) beside .grad (FSDPParam.unsharded_accumulated_grad), not in the 16-bit .grad.
     z.upcast = z.root is not None and not z.sync_each and bool(t.precision.autocast_dtype) and z.micro_steps > 1
     return z
+
+
+def _fp8_weights(t: Techniques) -> int:
+    """Elements of one layer's weights that precision=fp8 computes in float8: autocast casts no
+    bf16 copy of them (each is cast to fp8 per use, a transient a quarter of its fp32 size, and
+    its backward keeps the fp32 weight itself). Not yet measured on a GPU."""
+    if not isinstance(t.precision, FP8):
+        return 0
+    layer = t.model.adapter.layer_list(t.model.meta_model)[0]
+    return sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear) and fp8_sized(m))
 
 
 def analytic(spec: RunSpec) -> Prediction:

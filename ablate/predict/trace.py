@@ -46,7 +46,7 @@ def trace(spec: RunSpec) -> Prediction:
         t.parallel = par.Single()
     if isinstance(t.optimizer, opt.LowBitAdamW):  # torchao caches its quantisation tables for the process:
         t.optimizer.make_tables()  # made here, of real values, not in fake mode of 1.0s
-    with _fake_world(t.parallel), FakeTensorMode() as mode, _real_optimizer_defaults(), _value_reads(t):
+    with _fake_world(t.parallel, t.offload), FakeTensorMode() as mode, _real_optimizer_defaults(), _value_reads(t):
         with _swappable_params(mode):
             # compile=true is traced eager: compiled kernels cannot run on fake tensors. Inductor's
             # fusions usually keep fewer activations, so this tends to over-predict such runs.
@@ -123,10 +123,11 @@ def _plus_other(breakdown: dict, mib: float) -> dict:
 
 
 @contextlib.contextmanager
-def _fake_world(parallel) -> Iterator[None]:
-    """FSDP shards over a process group: a fake one (torch's FakeProcessGroup: collectives do
-    nothing) of the real world size, this process being rank 0; destroyed on the way out."""
-    if not parallel.shards_params:
+def _fake_world(parallel, offload) -> Iterator[None]:
+    """FSDP shards over a process group (offload=params alone: of one rank): a fake one (torch's
+    FakeProcessGroup: collectives do nothing) of the real world size, this process being rank 0;
+    destroyed on the way out."""
+    if not (parallel.shards_params or offload.shards_params):
         yield
         return
     from torch.distributed.fsdp._fully_shard import _fully_shard

@@ -25,7 +25,7 @@ class Plan:
     grad_scaler: bool = False  # the precision option scales the loss (fp16)
     param_dtype: str = "fp32"  # dtype parameters are stored in: fp32 | bf16
     stochastic_rounding: bool = False  # bf16 parameters updated with stochastic rounding
-    sharded: bool = False  # the parallel option shards parameters (FSDP)
+    sharded: bool = False  # parameters are FSDP's shards (parallel=fsdp; offload=params, even in one process)
     in_backward: bool = False  # the optimizer steps each parameter inside backward
     chunked_loss: bool = False  # the loss option takes the model's hidden states and head (not its logits)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ablate.techniques import Invalid, Option, Plan
@@ -12,6 +13,8 @@ from ablate.techniques import Invalid, Option, Plan
 class NoOffload(Option):
     """Keep activations, parameters and optimizer states on the training device."""
 
+    shards_params = False  # whether parameters become FSDP's DTensor shards, even in one process
+
     def context(self, device_type: str) -> contextlib.AbstractContextManager:
         """Wraps the forward pass, where the tensors saved for backward are packed."""
         return contextlib.nullcontext()
@@ -19,6 +22,10 @@ class NoOffload(Option):
     def build_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
         """`optimizer` is the optimizer group's option; by default it builds where the params are."""
         return optimizer.build(model)
+
+    def place(self, model: nn.Module, adapter, precision) -> nn.Module:
+        """Where one process keeps the whole model's parameters (parallel=single): on the device."""
+        return model
 
 
 class Activations(NoOffload):
@@ -59,17 +66,35 @@ class OptimizerState(NoOffload):
 
 class Params(NoOffload):
     """Parameters, gradients and optimizer states in host memory, streamed to the device layer by
-    layer through FSDP's CPUOffloadPolicy. Saves: all model state on the device. Spends: host<->
-    device traffic every forward and backward, and the optimizer step on the CPU."""
+    layer through FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU. Saves: all model state
+    on the device (what stays is one layer's parameters, gathered in the compute dtype, and the
+    activations). Spends: host<->device copies of every layer in forward and backward, of every
+    gradient after it, and the optimizer step at host speed.
+
+    With parallel=fsdp it is FSDP's own offload. With parallel=single, one process is FSDP over a
+    process group of one rank (`place`): the same streaming, nothing to shard with."""
+
+    shards_params = True
 
     def check(self, plan: Plan) -> None:
-        if not plan.sharded:
-            raise Invalid("offload=params needs parallel=fsdp (it is FSDP's CPU offload policy)")
-        if plan.device == "cpu":
-            raise Invalid("offload=params needs a CUDA device: on the CPU everything is already in host memory")
+        if plan.in_backward:
+            raise Invalid("offload=params with optimizer.in_backward=true: FSDP reduces gradients and "
+                          "copies them to the host after the hook would have stepped")
 
     def cpu_offload_policy(self):
-        """What the FSDP option passes to fully_shard(offload_policy=...)."""
+        """What the FSDP option passes to fully_shard(offload_policy=...). Pinned host memory
+        makes the copies asynchronous; a CPU run has no such copies (and no pinning without CUDA)."""
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        return CPUOffloadPolicy(pin_memory=True)
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+
+    def place(self, model: nn.Module, adapter, precision) -> nn.Module:
+        """FSDP2 over a process group of this one process (gloo on a CPU, NCCL on a GPU, a store in
+        memory: no rendezvous), unless one exists (predict=trace's fake one)."""
+        from ablate.techniques.parallel import FSDP
+
+        device = next(model.parameters()).device
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
+        return FSDP(nproc=1).wrap(model, adapter, precision, self)

@@ -42,8 +42,9 @@ class Single(Option):
         """Leave the process group."""
 
     def wrap(self, model: nn.Module, adapter, precision, offload) -> nn.Module:
-        """`adapter` (ablate/models/) says where the model's repeated layers are."""
-        return model
+        """`adapter` (ablate/models/) says where the model's repeated layers are; the offload
+        option where one process keeps its parameters."""
+        return offload.place(model, adapter, precision)
 
     def sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
         """Wraps forward + backward of a micro-step; gradients are reduced only on the last."""
@@ -106,6 +107,12 @@ class DDP(_Distributed):
                  gradient_as_bucket_view: bool = False):
         super().__init__(nproc, nodes, backend)
         self.gradient_as_bucket_view = gradient_as_bucket_view
+
+    def check(self, plan: Plan) -> None:
+        super().check(plan)
+        if plan.sharded:
+            raise Invalid("parallel=ddp with offload=params: DDP keeps a whole replica on every device; "
+                          "use parallel=fsdp (or parallel=single)")
 
     def wrap(self, model: nn.Module, adapter, precision, offload) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
