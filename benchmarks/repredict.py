@@ -27,6 +27,7 @@ from ablate.job import git_sha  # noqa: E402  (needs ROOT on the path)
 from ablate.predict.analytic import analytic  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
 from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
+from analysis.load import LEGACY  # noqa: E402
 
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device")
 
@@ -35,7 +36,7 @@ def overrides(preset: str, row: pd.Series) -> list[str]:
     """The command line that composes `row`'s config again."""
     out = [f"experiment={preset}"]
     for group in GROUPS:
-        option = row[group]
+        option = row[group] if group in row and _set(row[group]) else LEGACY[group]  # a group newer than the record
         out.append(f"{group}={option}")
         for key, default in option_defaults(group, option).items():
             value = row.get(f"{group}.{key}")
