@@ -22,7 +22,7 @@ METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_p
            "losses", "per_rank", "max_batch_size", "find_batch"}
 ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname", "git_sha", "python",
        "slurm_job_id"}
-CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel"}
+CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss"}
 
 
 @pytest.fixture(scope="module")

@@ -120,3 +120,17 @@ def test_the_issues_gpt2_sweep_saves_the_logits(tmp_path):
     assert m["standard"]["peak_allocated_mib"] - m["chunked"]["peak_allocated_mib"] >= 0.8 * logits
     for row in rows.values():  # and the predictor saw each peak
         assert row["prediction"]["peak_mib"] == pytest.approx(row["metrics"]["peak_allocated_mib"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_chunked_under_ddp_and_fsdp_gives_the_standard_losses(tmp_path):
+    """Two gloo ranks: FSDP2 gathers the head's weight for the root's forward and again for its
+    backward, which the chunked loss's saved weight relies on; DDP reduces its gradient."""
+    proc = run_cli(["-m", *NANO[:3], "loss=standard,chunked", "parallel=fsdp,ddp", "parallel.nproc=2", "batch_size=4",
+                    "seq_len=32", "steps=3", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["choices"]["parallel"], r["choices"]["loss"]): r for r in results_under(tmp_path / "s")}
+    assert len(rows) == 4 and {r["status"] for r in rows.values()} == {"ok"}
+    for parallel in ("fsdp", "ddp"):
+        assert rows[parallel, "chunked"]["metrics"]["losses"] == pytest.approx(
+            rows[parallel, "standard"]["metrics"]["losses"], rel=1e-5)
