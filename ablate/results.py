@@ -90,6 +90,9 @@ def write_json(path: str | Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes its file 0600; a result is read by teammates' reports on a shared directory,
+        # so it gets what open() would give any other file: 0666 less the umask.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, allow_nan=False)
             f.flush()
@@ -98,6 +101,13 @@ def write_json(path: str | Path, obj: dict) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, so set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read(path: str | Path) -> dict | None:

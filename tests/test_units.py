@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from pathlib import Path
@@ -89,6 +90,19 @@ def test_write_json_is_atomic_and_rejects_nan(tmp_path):
         results.write_json(path, {"a": float("nan")})
     assert json.loads(path.read_text()) == {"a": 1}  # the old file survives a failed write
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_result_is_as_readable_as_any_other_file_the_umask_allows(tmp_path, umask):
+    """mkstemp makes 0600 files: a teammate's report on a shared directory could not read them."""
+    old = os.umask(umask)
+    try:
+        results.write_json(tmp_path / "result.json", {"a": 1})
+        (tmp_path / "other.txt").write_text("x")
+    finally:
+        os.umask(old)
+    mode = (tmp_path / "result.json").stat().st_mode & 0o777
+    assert mode == (tmp_path / "other.txt").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_run_id_is_stable_and_order_independent():
