@@ -91,8 +91,8 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
     #    then load init_from's weights, if any, into it.
     model = t.precision.materialize(t.model.build, device)
     t.model.load_weights(model)
-    t.loss.attach(model)  # before any wrapper: the model's own forward hands its hidden states to the loss
     adapter = t.model.adapter  # where the layers are, for every technique below
+    t.loss.attach(model, adapter)  # before any wrapper: the model's own forward hands its hidden states to the loss
     # 1b. Layers swapped for another number format (fp8) on the bare model, before recompute
     #     wrappers and compile see them (torchtitan's order).
     model = t.precision.convert(model, adapter)

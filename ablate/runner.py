@@ -168,8 +168,10 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         "samples_per_s": run.steps * B * world / seconds if seconds else None,
         "tflops": tflops,
         "mfu": mfu,
-        # HFU counts the recomputed forward too: a full forward is a third of the 6N model FLOPs.
-        "hfu": mfu * (1 + t.checkpoint.recompute_fraction / 3) if mfu is not None else None,
+        # HFU counts the recomputed forward too (layers, and the chunked loss's head): a full
+        # forward is a third of the 6N model FLOPs.
+        "hfu": mfu * (1 + (t.checkpoint.recompute_fraction + t.loss.recompute_fraction) / 3)
+        if mfu is not None else None,
         "compile_s": run.compile_s,
         "skipped_steps": run.skipped_steps,
         "loss_first": run.losses[0] if run.losses else None,

@@ -134,3 +134,13 @@ def test_chunked_under_ddp_and_fsdp_gives_the_standard_losses(tmp_path):
     for parallel in ("fsdp", "ddp"):
         assert rows[parallel, "chunked"]["metrics"]["losses"] == pytest.approx(
             rows[parallel, "standard"]["metrics"]["losses"], rel=1e-5)
+
+
+def test_the_chunked_loss_counts_its_recomputed_head_for_hfu():
+    """HFU adds the head's matmul run again in backward: its weight's share of all Linear weights
+    (GPT-2's tied head: vocab x n_embd of the whole model's matmul weights)."""
+    _, model, _, t = train_nano(["loss=chunked"], steps=1)
+    head = 128 * 48  # gpt-nano at FAST's vocabulary: 128 tokens x 48
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert t.loss.recompute_fraction == pytest.approx(head / linears) and 0 < t.loss.recompute_fraction < 1
+    assert train_nano([], steps=1)[3].loss.recompute_fraction == 0

@@ -35,7 +35,7 @@ class NoCheckpoint(Option):
         return model
 
 
-def _linear_weights(modules: Iterable[nn.Module], linears: tuple[type, ...]) -> int:
+def linear_weights(modules: Iterable[nn.Module], linears: tuple[type, ...]) -> int:
     """Elements of the linear weights inside `modules`: 1/2 of their matmul FLOPs per token."""
     return sum(m.weight.numel() for root in modules for m in root.modules() if isinstance(m, linears))
 
@@ -54,7 +54,7 @@ class _Recompute(NoCheckpoint, abc.ABC):
         targets = self._targets(model, adapter)
         chosen = [getattr(parent, name) for parent, name in targets]
         # 2 * weights FLOPs per token for each matmul; the factor 2 cancels in the ratio.
-        self.recompute_fraction = _linear_weights(chosen, adapter.linears) / _linear_weights([model], adapter.linears)
+        self.recompute_fraction = linear_weights(chosen, adapter.linears) / linear_weights([model], adapter.linears)
         for (parent, name), module in zip(targets, chosen):
             setattr(parent, name, self._wrap(module))  # ModuleList accepts "0", "1", ... as names
         return model

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ablate.techniques import Invalid, Option, Plan
+from ablate.techniques.checkpoint import linear_weights
 
 
 class Standard(Option):
@@ -19,8 +20,9 @@ class Standard(Option):
 
     chunks = 1  # what the predictor reads: the logits exist whole
     from_hidden = False  # the model's own logits, not its hidden states and head
+    recompute_fraction = 0.0  # share of the forward's matmul FLOPs run again in backward (for HFU)
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module, adapter) -> None:
         """Nothing to change: the model computes its logits and loss itself."""
 
 
@@ -50,8 +52,12 @@ class Chunked(Standard):
             raise Invalid(f"loss.chunks={self.chunks} > the {tokens} tokens of a micro-batch: "
                           f"a chunk would be empty")
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module, adapter) -> None:
         model.loss_fn = self
+        # The head's matmul runs again in backward: its share of the Linear weights, as the
+        # checkpoint options count theirs (ablate/techniques/checkpoint.py).
+        head = model.get_submodule(adapter.lm_head).weight.numel()
+        self.recompute_fraction = head / linear_weights([model], adapter.linears)
 
     def __call__(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of head(hidden) against targets, summed in fp32 as the standard loss
