@@ -16,7 +16,7 @@ from ablate.measure import StepCounter, traced_step
 from ablate.predict.analytic import analytic
 from ablate.predict.timeline import Unmodelled
 from ablate.techniques import Invalid, Plan
-from ablate.techniques.optimizer import AdamW4bit, AdamW8bitAO, AdamWFp8
+from ablate.techniques.lowbit import AdamW4bit, AdamW8bitAO, AdamWFp8
 from ablate.train import train_step
 from helpers import CONF, compose_spec, fast_defaults, results_under, run_cli
 

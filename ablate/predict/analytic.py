@@ -33,6 +33,7 @@ from ablate.predict.layers import Arch, arch_of, layer_saves, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import checkpoint as ckpt
+from ablate.techniques import lowbit
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
 from ablate.techniques.offload import Activations, OptimizerState, Params
@@ -125,7 +126,7 @@ def _state_bytes(t: Techniques, shape: tuple, d: int, device: str) -> float:
         if numel < o.min_8bit_size:
             return 2 * numel * 4  # small tensors keep fp32 states
         return 2 * numel + 2 * math.ceil(numel / 256) * 4  # uint8 states + one fp32 absmax per 256 values
-    if isinstance(o, opt.LowBitAdamW):
+    if isinstance(o, lowbit.LowBitAdamW):
         # torchao/optim/adam.py (_AdamBase): `step` is torch.tensor(0.0), a host fp32 tensor even on
         # CUDA; _new_buffer quantises a tensor only if numel >= 4096 and numel % block_size == 0,
         # else zeros_like(param). subclass_*.py: codes (4-bit packed two a byte), fp32 scales of
@@ -133,7 +134,7 @@ def _state_bytes(t: Techniques, shape: tuple, d: int, device: str) -> float:
         step = 4 if device == "cpu" else 0
         if numel < 4096 or numel % o.block_size:
             return 2 * numel * d + step
-        codes, qmap = {opt.AdamW4bit: (0.5, 16), opt.AdamW8bitAO: (1, 256), opt.AdamWFp8: (1, 0)}[type(o)]
+        codes, qmap = {lowbit.AdamW4bit: (0.5, 16), lowbit.AdamW8bitAO: (1, 256), lowbit.AdamWFp8: (1, 0)}[type(o)]
         return 2 * (numel * codes + numel // o.block_size * 4 + qmap * 4) + step
     if isinstance(o, opt.AdamW):
         return 2 * numel * d + step
@@ -158,7 +159,7 @@ def _step_temp_bytes(t: Techniques, groups: list[list[int]], d: int, device: str
     o = t.optimizer
     if isinstance(o, opt.AdamW8bit):
         return 0.0  # one fused kernel per tensor
-    if isinstance(o, opt.LowBitAdamW):
+    if isinstance(o, lowbit.LowBitAdamW):
         if device == "cpu":
             # What the traced step runs (and, on a CPU, all that is measured): torchao's step eagerly
             # (MemTracker is a dispatch mode, which torch.compile refuses), 24 bytes/elem of fp32
@@ -169,7 +170,7 @@ def _step_temp_bytes(t: Techniques, groups: list[list[int]], d: int, device: str
         # (not yet checked on a GPU): 4-bit two unpacked uint8 codes, two fp32 updates and two int64
         # code searches (26 bytes/elem); 8-bit two fp32 updates (8); fp8 two fp8 codes (2). Plain
         # states update in place.
-        per = {opt.AdamW4bit: 26, opt.AdamW8bitAO: 8, opt.AdamWFp8: 2}[type(o)]
+        per = {lowbit.AdamW4bit: 26, lowbit.AdamW8bitAO: 8, lowbit.AdamWFp8: 2}[type(o)]
         return max([n for g in groups for n in g if n >= 4096 and n % o.block_size == 0] or [0]) * per
     if isinstance(o, opt.AdamW):
         impl = o.implementation

@@ -24,6 +24,7 @@ from ablate import measure
 from ablate.build import Techniques, build_model, build_optimizer, check_config
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
+from ablate.techniques import lowbit
 from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
 from ablate.techniques.offload import OptimizerState
@@ -44,7 +45,7 @@ def trace(spec: RunSpec) -> Prediction:
     ddp = isinstance(t.parallel, par.DDP)
     if ddp:  # a DDP rank computes what a single process does; its gradient buckets are added below
         t.parallel = par.Single()
-    if isinstance(t.optimizer, opt.LowBitAdamW):  # torchao caches its quantisation tables for the process:
+    if isinstance(t.optimizer, lowbit.LowBitAdamW):  # torchao caches its quantisation tables for the process:
         t.optimizer.make_tables()  # made here, of real values, not in fake mode of 1.0s
     with _fake_world(t.parallel, t.offload), FakeTensorMode() as mode, _real_optimizer_defaults(), _value_reads(t):
         with _swappable_params(mode):
@@ -201,7 +202,7 @@ def _value_reads(t: Techniques) -> contextlib.AbstractContextManager:
     """_ValueReads for the optimizers known to read values (Adafactor, the 8-bit and low-bit
     AdamWs), nothing for the others: any other data-dependent read is a new case to look at, so it
     still fails loudly."""
-    return _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit, opt.LowBitAdamW)) \
+    return _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit, lowbit.LowBitAdamW)) \
         else contextlib.nullcontext()
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 class Invalid(Exception):
     """This combination cannot run (the grid point becomes a row with status 'invalid')."""
@@ -37,3 +39,16 @@ class Option:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
+
+
+FP8_GPU = "a CUDA GPU of compute capability >= 8.9 (Ada/Hopper: L4, L40S, H100)"  # fp8 tensor cores, sm89
+
+
+def require_fp8_gpu(plan: Plan, key: str) -> None:
+    """Raise Invalid for `key` (an fp8 option) unless the plan's device has fp8 hardware; the job
+    (device auto) leaves it to the worker, which checks again with its device."""
+    if plan.device not in ("cuda", "auto"):
+        raise Invalid(f"{key} needs {FP8_GPU}; device={plan.device} has none")
+    if plan.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        raise Invalid(f"{key} needs {FP8_GPU}; {torch.cuda.get_device_name()} is {major}.{minor}")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ablate.model import on_meta
-from ablate.techniques import Invalid, Option, Plan
+from ablate.techniques import Invalid, Option, Plan, require_fp8_gpu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -121,16 +121,9 @@ class FP8(BF16):
     multiples of 16 (what _scaled_mm takes). MFU is against the bf16 peak, so a faster fp8 run
     reads as an MFU gain, not as a smaller denominator."""
 
-    min_capability = (8, 9)  # Ada and Hopper (L4, L40S, H100): fp8 tensor cores
-
     def check(self, plan: Plan) -> None:
         super().check(plan)
-        need = "a CUDA GPU of compute capability >= 8.9 (Ada/Hopper: L4, L40S, H100) for fp8 matmuls"
-        if plan.device not in ("cuda", "auto"):  # auto: the worker checks again with its device
-            raise Invalid(f"precision=fp8 needs {need}; device={plan.device} has none")
-        if plan.device == "cuda" and torch.cuda.get_device_capability() < self.min_capability:
-            major, minor = torch.cuda.get_device_capability()
-            raise Invalid(f"precision=fp8 needs {need}; {torch.cuda.get_device_name()} is {major}.{minor}")
+        require_fp8_gpu(plan, "precision=fp8")
         if importlib.util.find_spec("torchao") is None:
             raise Invalid("precision=fp8 needs torchao: pip install 'ablate[ao]'")
 
