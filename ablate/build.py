@@ -66,14 +66,13 @@ def check_config(spec: RunSpec, device: str | None = None) -> Techniques:
     for key in ("batch_size", "seq_len", "steps", "samples"):  # steps=0 would report an ok run that timed nothing
         if getattr(spec, key) is not None and getattr(spec, key) < 1:
             raise Invalid(f"{key}={getattr(spec, key)} must be >= 1")
-    if spec.warmup_steps < 0:
-        raise Invalid(f"warmup_steps={spec.warmup_steps} must be >= 0")
+    if spec.warmup_steps < 2:  # 0 gave an ok row with no peak, 1 a peak without the optimizer state (on CPU)
+        raise Invalid(f"warmup_steps={spec.warmup_steps} must be >= 2: the first step allocates the optimizer "
+                      "state and the last warm-up step is the one traced for the breakdown (and, on a CPU, the peak)")
     if spec.timeout_s <= 0:  # else a timeout row for a worker killed before it could start
         raise Invalid(f"timeout_s={spec.timeout_s} must be > 0 (seconds one worker may run)")
     if spec.gpu_memory_gib is not None:
         MemoryLimit(spec.gpu_memory_gib, torch.device("cpu"))  # rejects a card smaller than the CUDA context
-    if spec.compile and spec.warmup_steps < 2:
-        raise Invalid("compile=true needs warmup_steps >= 2: the first compiles, the last is traced")
     t.check(plan_of(spec, device, t))
     return t
 

@@ -35,6 +35,14 @@ class Progress:
             self._last_plain = time.monotonic()
         self.stream.flush()
 
+    def note(self, line: str) -> None:
+        """A line of its own (a waiting point, a result file found wanting), under any live line."""
+        if self._live:
+            self.stream.write("\r\033[K")
+            self._live = False
+        self.stream.write(f"{self.label}  {line}\n")
+        self.stream.flush()
+
     def done(self, result: dict, where: str, skipped: bool = False) -> None:
         if self._live:
             self.stream.write("\r\033[K")

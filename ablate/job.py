@@ -4,6 +4,7 @@ resolve config -> run_id -> skip if done -> validate -> launch the worker -> cla
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ablate import find_batch, results
 from ablate.build import check_config
+from ablate.claim import claimed
 from ablate.capacity import capacity_mib
 from ablate.console import Progress
 from ablate.predict import Prediction, predict
@@ -106,8 +108,9 @@ def validate(spec: RunSpec) -> Outcome | None:
         check_config(spec)
     except Exception as exc:  # Invalid, or an option rejecting its keys (instantiate's TypeError)
         cause = exc.__cause__ or exc  # instantiate wraps what the option's constructor raised
-        named = isinstance(cause, Invalid) or cause is exc  # an Invalid's message names its key itself
-        return Outcome("invalid", str(cause) if named else f"{type(cause).__name__}: {cause}")
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""  # a reason is one line
+        # An Invalid's message names its key itself; anything else at least names what was raised.
+        return Outcome("invalid", text if isinstance(cause, Invalid) else f"{type(cause).__name__}: {text}")
     return None
 
 
@@ -221,10 +224,24 @@ class Point:
         result = results.make(self.run_id, status, reason, self.choices, self.config, self.overrides,
                               metrics=metrics, env={**job_env(), **(env or {})}, timing=timing,
                               prediction=prediction.to_result() if prediction else None, artifacts=artifacts)
-        path = self.run_dir / results.RESULT_FILE
-        results.write_json(path, result)
-        results.Index(self.config["out_dir"]).record(self.run_id, path)
+        self.write(result, index=True)
         return result
+
+    def write(self, result: dict, index: bool) -> None:
+        """result.json in the run directory (and, with `index`, the index entry that marks the point
+        done). On a full disk the sweep stops (DiskFull) with the result kept on stdout."""
+        path = self.run_dir / results.RESULT_FILE
+        try:
+            results.write_json(path, result)  # atomic: whole, or nothing left behind
+            if index:
+                results.Index(self.config["out_dir"]).record(self.run_id, path)
+        except OSError as exc:
+            if exc.errno not in results.NO_SPACE:
+                raise
+            # The measurement outlives the disk on stdout (the terminal, SLURM's .out file); unindexed,
+            # the point runs again on the next try.
+            print(f"result of {self.label}, not written: {json.dumps(result)}", flush=True)
+            raise results.DiskFull(path.parent, f"no space left on device writing {path}") from None
 
 
 def warn_unswept(hc: DictConfig) -> None:
@@ -264,17 +281,30 @@ def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     warn_unswept(hc)
     point = Point.of(cfg, hc, Path(hc.runtime.output_dir))
-    result_path = point.run_dir / results.RESULT_FILE
     progress = Progress(point.label)
+    # Claimed while it runs, by the first node's task only: every node of a multi-node point runs it.
+    first_node = int(os.environ.get("SLURM_PROCID", 0)) == 0
+    with claimed(results.Index(point.config["out_dir"]).claim_path(point.run_id), progress.note) if first_node \
+            else contextlib.nullcontext():
+        result = run_claimed(point, progress)
+    if result:  # before the next point's Hydra writes its files there (which would fail with a traceback)
+        results.check_room(point.run_dir.parent)
+    return result
 
-    found = results.Index(point.config["out_dir"]).terminal(point.run_id) if point.config["skip_existing"] else None
+
+def run_claimed(point: Point, progress: Progress) -> dict:
+    """The point once it is this process's: skipped if done (perhaps by whoever held it before),
+    else run and recorded."""
+    result_path = point.run_dir / results.RESULT_FILE
+    found = (results.Index(point.config["out_dir"]).terminal(point.run_id, warn=progress.note)
+             if point.config["skip_existing"] else None)
     if found:
         path, result = found
         if path != result_path.resolve():  # this sweep's directory gets the earlier result too,
             # placed at this sweep's rung (a run key outside run_id: the same point in another ladder)
             result = {**result, "config": {**result["config"], "rung": point.config["rung"]}}
             link_artifacts(result, path.parent, result_path.parent)
-            results.write_json(result_path, result)
+            point.write(result, index=False)
         progress.done(result, str(path), skipped=True)
         return result
 

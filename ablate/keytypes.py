@@ -7,6 +7,7 @@ naming no key. This check names it: "accumulation.steps='abc' must be int".
 """
 from __future__ import annotations
 
+import inspect
 import types
 import typing
 from typing import Any
@@ -18,10 +19,21 @@ from ablate.techniques import Invalid
 
 def check_types(group: str, node: dict) -> None:
     """Raise Invalid for the first key of `node` (an option's config, `_target_` included) whose
-    value does not have its annotated type. Unannotated keys pass; unknown keys are the
-    composition's business (it names the valid ones)."""
+    value does not have its annotated type, or that the class does not take (`+optimizer.momentum`
+    under adamw: instantiate's TypeError would name neither the group nor the keys it takes).
+    Unannotated keys pass."""
+    from ablate.schema import belongs_to
+
+    init = get_class(node["_target_"]).__init__
+    params = inspect.signature(init).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        takes = [k for k in params if k != "self"]
+        for key in node:
+            if not key.startswith("_") and key not in takes:  # _target_, _convert_: instantiate's own
+                raise Invalid(f"{group}.{key} is not a key of {node['_target_'].rsplit('.', 1)[-1]}"
+                              f"{belongs_to(group, key)}. Its keys: " + ", ".join(f"{group}.{k}" for k in takes))
     try:
-        hints = typing.get_type_hints(get_class(node["_target_"]).__init__)
+        hints = typing.get_type_hints(init)
     except NameError:  # an annotation naming a type imported only for type checkers: nothing to check against
         return
     for key, value in node.items():

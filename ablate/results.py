@@ -5,9 +5,11 @@ atomically, so a reader never sees half a result.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -84,6 +86,34 @@ def clear_artifacts(run_dir: str | Path) -> None:
         path.unlink(missing_ok=True)
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
+MIN_FREE_KIB = 1024  # below this a point cannot write its files (.hydra/, spec.json, logs, result.json)
+
+
+def free_kib(path: str | Path) -> float:
+    """KiB free to this user on the file system holding `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free / 1024
+
+
+class DiskFull(SystemExit):
+    """A sweep that has run out of disk space stops with one line naming where and how much is
+    left. A SystemExit passes through Hydra's job and sweep loops (which catch Exception and would
+    print a traceback, or go on to the next point, which cannot write either)."""
+
+    def __init__(self, where: str | Path, what: str):
+        super().__init__(f"error: {what}: {free_kib(where):,.0f} KiB free under {where}. The sweep stops; free some "
+                         "space and run the same command again (finished points are skipped).")
+
+
+def check_room(where: str | Path, what: str = "no room left for the next point") -> None:
+    """Raise DiskFull when less than MIN_FREE_KIB is free under `where`."""
+    if free_kib(where) < MIN_FREE_KIB:
+        raise DiskFull(where, what)
+
+
 def write_json(path: str | Path, obj: dict) -> None:
     """Atomic: a temporary file in the same directory, fsynced, then renamed over the target."""
     path = Path(path)
@@ -110,13 +140,60 @@ def _umask() -> int:
     return mask
 
 
-def read(path: str | Path) -> dict | None:
-    """A result of this schema, or None if the file is missing, unreadable or foreign."""
+# The contract's sections and their JSON types. `artifacts` came later under the same schema
+# version, so an older file without it is still a result; a file missing any of these is not.
+SECTIONS = {"run_id": str, "status": str, "choices": dict, "config": dict, "overrides": list,
+            "metrics": dict, "prediction": dict, "env": dict, "timing": dict}
+RUN_KEYS = ("batch_size",)  # what every report table counts by: a whole number
+_NUMBER = (int, float)
+_STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": dict}
+
+
+def problem(obj) -> str | None:
+    """Why `obj` is not a result this contract promises (None: it is one). The one check the job
+    (is a point done?) and the report (is it a row?) both apply: a file that parses but lacks a
+    field is treated like a corrupt one, not trusted half-way."""
+    if not isinstance(obj, dict):
+        return f"not a JSON object but a {type(obj).__name__}"
+    if obj.get("schema") != SCHEMA:
+        return f"schema is {obj.get('schema')!r}, not {SCHEMA!r}"
+    missing = [k for k in (*SECTIONS, "reason") if k not in obj]
+    if missing:
+        return "missing " + ", ".join(missing)
+    wrong = [k for k, kind in SECTIONS.items() if not isinstance(obj[k], kind)]
+    if wrong:
+        return ", ".join(f"{k} is a {type(obj[k]).__name__}, not a {SECTIONS[k].__name__}" for k in wrong)
+    if obj["status"] not in STATUSES:
+        return f"status {obj['status']!r} is not one of {', '.join(STATUSES)}"
+    if not isinstance(obj["reason"], (str, type(None))):
+        return f"reason is a {type(obj['reason']).__name__}, not a string"
+    bad = [k for k in RUN_KEYS if not isinstance(obj["config"].get(k), int) or isinstance(obj["config"][k], bool)]
+    if bad:
+        return "config." + ", config.".join(bad) + " missing or not a whole number"
+    metrics = obj["metrics"]
+    for key, value in metrics.items():
+        kind = _STRUCTURED.get(key, _NUMBER)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return f"metrics.{key} is {value!r}, not a {'number' if kind is _NUMBER else kind.__name__} or null"
+    return None
+
+
+def load(path: str | Path) -> tuple[dict | None, str | None]:
+    """(result, None) for a result this contract promises; (None, why not) for anything else: a
+    file missing or unreadable, not JSON, foreign, or lacking a field."""
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
+    except OSError as exc:
+        return None, exc.strerror or str(exc)
+    except ValueError as exc:  # UnicodeDecodeError included
+        return None, f"not JSON ({exc})"
+    why = problem(obj)
+    return (None, why) if why else (obj, None)
+
+
+def read(path: str | Path) -> dict | None:
+    """A result of this contract, or None if the file is missing, unreadable, foreign or incomplete."""
+    return load(path)[0]
 
 
 def predicted_oom(result) -> bool:
@@ -146,19 +223,35 @@ class Index:
     def __init__(self, out_dir: str | Path):
         self.root = Path(out_dir) / "index"
 
+    def claim_path(self, run_id: str) -> Path:
+        """The lock a point is claimed by while it runs (ablate/claim.py)."""
+        return self.root / f"{run_id}.claim"
+
     def record(self, run_id: str, result_path: Path) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{run_id}.{os.getpid()}.tmp"
-        tmp.write_text(str(Path(result_path).resolve()))
-        os.replace(tmp, self.root / run_id)
+        try:
+            tmp.write_text(str(Path(result_path).resolve()))
+            os.replace(tmp, self.root / run_id)
+        except BaseException:  # a full disk: no temporary left behind
+            tmp.unlink(missing_ok=True)
+            raise
 
-    def terminal(self, run_id: str) -> tuple[Path, dict] | None:
-        """The recorded result of run_id if it still exists and is terminal."""
+    def terminal(self, run_id: str, warn=lambda line: None) -> tuple[Path, dict] | None:
+        """The recorded result of run_id if it still exists, is a result by the contract and is
+        terminal. A recorded file that is not one (corrupt, truncated, missing fields) is named
+        through `warn` with the reason: its point runs again."""
         entry = self.root / run_id
-        if not entry.exists():
+        try:
+            path = Path(entry.read_text().strip())
+        except OSError:  # no entry: never recorded
             return None
-        path = Path(entry.read_text().strip())
-        result = read(path)
-        if result and result.get("run_id") == run_id and is_terminal(result):
+        if not path.exists():
+            return None
+        result, why = load(path)
+        if result is None:
+            warn(f"note: {path} is not a result ({why}): running its point again")
+            return None
+        if result["run_id"] == run_id and is_terminal(result):
             return path, result
         return None

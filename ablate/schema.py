@@ -98,17 +98,61 @@ def option_defaults(group: str, option: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
 
 
+def options(group: str) -> list[str]:
+    """The options of a config group: conf/<group>/*.yaml (experiment included)."""
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def option_keys(group: str, option: str) -> list[str]:
+    """The keys one option takes (its file's, less `_target_` and Hydra's `defaults`)."""
+    return sorted(k for k in option_defaults(group, option) if not str(k).startswith("_") and k != "defaults")
+
+
 def _option_keys(group: str) -> list[str]:
     """Every key any option of `group` takes (conf/<group>/*.yaml), for checking a command line."""
-    keys = {k for path in (CONF / group).glob("*.yaml") for k in option_defaults(group, path.stem)}
-    return sorted(k for k in keys if not str(k).startswith("_") and k != "defaults")  # defaults: Hydra's list
+    return sorted({k for option in options(group) for k in option_keys(group, option)})
+
+
+def belongs_to(group: str, key: str) -> str:
+    """' (momentum is a key of optimizer=sgd)': where a key another option of `group` takes belongs."""
+    owners = [f"{group}={o}" for o in options(group) if key in option_keys(group, o)]
+    return f" ({key} is a key of {', '.join(owners)})" if owners else ""
+
+
+def _chosen(group: str, overrides: list) -> list[str]:
+    """The option(s) of `group` a command line runs: the ones it names (group=a,b), else the one
+    its experiment puts there, else conf/config.yaml's default. [] when that cannot be told."""
+    for o in overrides:
+        if o.key_or_group == group and not (o.is_add() or o.is_delete()):
+            return [str(v) for v in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()])]
+    experiments = [o.value() for o in overrides if o.key_or_group == "experiment" and not o.is_sweep_override()]
+    root = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    for entry in option_defaults("experiment", experiments[0]).get("defaults", []) if experiments else []:
+        if isinstance(entry, dict) and f"override /{group}" in entry:
+            return [entry[f"override /{group}"]]
+    if any(o.key_or_group == "experiment" for o in overrides):  # a sweep over experiments, or one whose
+        return []  # ladder rungs may pick the option: not known before composition
+    return [entry[group] for entry in root["defaults"] if isinstance(entry, dict) and group in entry]
+
+
+def _option_error(o, valid: list[str]) -> str | None:
+    """The error for `group=option` naming an option that does not exist (experiment=leanst would
+    otherwise be Hydra's page-long "Could not find", or, when the group is optional, nothing)."""
+    names = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+    wrong = [str(n) for n in names if str(n) not in valid and n is not None]
+    if not wrong:
+        return None
+    close = difflib.get_close_matches(wrong[0], valid, n=1)
+    return (f"unknown {o.key_or_group} '{wrong[0]}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+            + f". Valid {o.key_or_group} options: " + ", ".join(valid) + ".")
 
 
 def unknown_key(argv: list[str]) -> str | None:
     """The error for a command line that sets a key no config has, naming the closest key and the
     valid ones (Hydra's own says only "Key 'batch_sz' not in 'Config'", or suggests `+key` for an
-    option's key); None when every key is known. A key that another option of the same group takes
-    (optimizer.momentum under adamw) is left to Hydra, whose error then names the option."""
+    option's key, which then fails inside the option's constructor), or picks an option no group
+    has; None when every key and option is known. A key of another option of the same group
+    (optimizer.momentum under adamw) names the option it belongs to."""
     from hydra._internal.utils import get_args_parser  # the parser hydra.main itself uses
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -118,12 +162,23 @@ def unknown_key(argv: list[str]) -> str | None:
         return None
     errors = []
     for o in overrides:
-        if o.is_add() or o.is_delete() or o.is_force_add():
+        if o.is_delete() or o.is_force_add():
             continue
         head, _, rest = o.key_or_group.replace("/", ".").partition(".")
+        if (head in GROUPS or head == "experiment") and not rest and not o.is_add():
+            errors.append(_option_error(o, options(head)))
+            continue
+        if o.is_add():
+            continue
         if head in GROUPS and rest:
             prefix, key = head + ".", rest.split(".")[0]
             valid = _option_keys(head)
+            chosen = _chosen(head, overrides)
+            taken = sorted({k for c in chosen if c in options(head) for k in option_keys(head, c)})
+            if key in valid and chosen and key not in taken:
+                errors.append(f"{o.key_or_group}: not a key of {head}={','.join(chosen)}{belongs_to(head, key)}. "
+                              f"Its keys: " + ", ".join(prefix + k for k in taken) + ".")
+                continue
         else:
             prefix, key, valid = "", head, [f.name for f in fields(Config)] + ["experiment", "hydra"]
         if key not in valid:
@@ -131,6 +186,7 @@ def unknown_key(argv: list[str]) -> str | None:
             errors.append(f"unknown key '{o.key_or_group}'" + (f" (did you mean '{close[0]}'?)" if close else "")
                           + f". Valid {prefix[:-1] or 'top-level'} keys: "
                           + ", ".join(prefix + k for k in sorted(valid)) + ".")
+    errors = [e for e in errors if e]
     if not errors:
         return None
     return "\n".join(errors + ["See the whole config with `python -m ablate --cfg job`."])

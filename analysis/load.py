@@ -1,13 +1,13 @@
 """Load every result.json below some paths into one pandas DataFrame: one row per run."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from ablate.results import ARTIFACTS, RESULT_FILE, SCHEMA
+from ablate import results
+from ablate.results import ARTIFACTS, RESULT_FILE
 from ablate.schema import GROUPS
 
 # Top-level run keys that can differ between runs and so may label a row.
@@ -57,16 +57,15 @@ def text(value) -> str:
 
 
 def load(paths: list[str | Path]) -> pd.DataFrame:
-    """One row per run_id (the newest wins). Unreadable or foreign files are named on stderr and skipped."""
+    """One row per run_id (the newest wins). Files that are not results by the contract
+    (ablate.results.problem: unreadable, foreign, missing fields) are named on stderr and skipped."""
     rows = []
     for path in result_files(paths):
-        try:
-            result = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(result, dict) or result.get("schema") != SCHEMA:
-                raise ValueError(f"not an {SCHEMA} file")
+        result, why = results.load(path)  # the job's own test of a result: what it would rerun, the report skips
+        if result is None:
+            print(f"skipping {path}: not a result ({why})", file=sys.stderr)
+        else:
             rows.append(_row(result, path))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"skipping {path}: {exc}", file=sys.stderr)
     df = pd.DataFrame(rows)
     if df.empty:
         return df

@@ -72,7 +72,7 @@ def run_labels(df: pd.DataFrame, by: list[str] | None) -> list[str]:
     """The columns that name a run: --by's, else every varied one. Names on stderr any varied
     column --by leaves out; ValueError for a column that does not exist."""
     varied = compare.varied(df)  # a pass over the rows per option key: once
-    labels = by or varied
+    labels = list(dict.fromkeys(by)) if by else varied  # `--by seed seed`: one seed column
     unknown = [c for c in labels if c not in df]
     if unknown:
         raise ValueError(f"--by {' '.join(unknown)}: no such column (valid: {', '.join(varied)})")
@@ -136,7 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else Path(args.paths[0]) / "report"
+    first = Path(args.paths[0])
+    out = Path(args.out) if args.out else (first.parent if first.is_file() else first) / "report"
+    try:
+        return write_report(df, labels, bases, args, out)
+    except OSError as exc:  # --out unwritable, a full disk: one line, not a traceback
+        print(f"cannot write the report to {out}: {exc.strerror or exc} ({exc.filename or out})", file=sys.stderr)
+        return 1
+
+
+def write_report(df: pd.DataFrame, labels: list[str], bases: pd.Series, args: argparse.Namespace, out: Path) -> int:
+    """The files under `out` and the chosen format on stdout."""
     out.mkdir(parents=True, exist_ok=True)
     from analysis.plots import all_plots  # matplotlib only when plotting
     from analysis.where import SNAPSHOT_NOTE, snapshot_table

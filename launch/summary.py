@@ -3,13 +3,12 @@ reports them. A Hydra callback (conf/config.yaml, hydra.callbacks), so it runs o
 own process whichever launcher ran the points (local, submitit_local or SLURM)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from ablate.results import RESULT_FILE, STATUSES
+from ablate.results import RESULT_FILE, STATUSES, load
 
 FAILED = tuple(s for s in STATUSES if s not in ("ok", "predicted"))  # oom, invalid, error, timeout
 SHOWN = 20  # failed points listed by name; the rest are counted
@@ -19,11 +18,9 @@ def summary(sweep_dir: Path) -> str:
     """'11 results under DIR: 9 ok, 1 oom, 1 error', a line per failed point, the report command."""
     results = []
     for path in sorted(sweep_dir.rglob(RESULT_FILE)):
-        try:
-            result = json.loads(path.read_text(encoding="utf-8"))
-            results.append((path.parent.relative_to(sweep_dir), result["status"], result.get("reason")))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # the report names unreadable files; a summary need not stop on one
+        result, _ = load(path)  # not a result by the contract: the report names it; the summary skips it
+        if result is not None:
+            results.append((path.parent.relative_to(sweep_dir), result["status"], result["reason"]))
     if not results:
         return f"no result.json under {sweep_dir}"
     counts = {s: sum(status == s for _, status, _ in results) for s in STATUSES}

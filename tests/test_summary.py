@@ -6,7 +6,7 @@ from launch.summary import SHOWN, summary
 
 
 def _write(root, name, status, reason=None):
-    r = results.make(name, status, reason, {"optimizer": "adamw"}, {}, [])
+    r = results.make(name, status, reason, {"optimizer": "adamw"}, {"batch_size": 4}, [])
     results.write_json(root / name / "result.json", r)
 
 

@@ -114,7 +114,7 @@ def test_index_returns_only_terminal_existing_results(tmp_path):
     index = results.Index(tmp_path)
     for rid, status in (("ok1", "ok"), ("err1", "error"), ("oom1", "oom")):
         path = tmp_path / rid / "result.json"
-        results.write_json(path, results.make(rid, status, None, {}, {}, []))
+        results.write_json(path, results.make(rid, status, None, {}, {"batch_size": 4, "seq_len": 16}, []))
         index.record(rid, path)
     assert index.terminal("ok1")[1]["status"] == "ok" and index.terminal("oom1")
     assert index.terminal("err1") is None  # errors may be transient: run again

@@ -41,6 +41,10 @@ def _transformers():
     return transformers
 
 
+# Sizes a config must give as positive counts (transformers checks few of them itself).
+_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+          "intermediate_size")
+
 class CausalLM(nn.Module):
     """A transformers causal LM behind ablate's model interface. `lm` is the transformers model."""
 
@@ -117,10 +121,16 @@ class HFCausalLM(Family):
                 raise Invalid("model.config.model_type is missing: name the family (llama, qwen2, mistral, "
                               "gpt_neox, gpt2, ...) or give model.config_path=DIR with a config.json")
             keys = {k: v for k, v in keys.items() if k not in _IGNORED_KEYS}
+            for key in _SIZES:  # before transformers divides by one (num_attention_heads=0)
+                if isinstance(keys.get(key), int) and keys[key] < 1:
+                    raise Invalid(f"model.config.{key}={keys[key]} must be >= 1")
             try:
                 self._hf_config = _transformers().AutoConfig.for_model(**keys)
             except ValueError as e:  # an unknown model_type: transformers lists the known ones
                 raise Invalid(f"model.config.model_type={keys['model_type']!r}: {str(e).splitlines()[0]}") from None
+            except (ArithmeticError, TypeError, AttributeError) as e:  # a key the config's own code chokes on
+                raise Invalid(f"model.config: transformers' {keys['model_type']} config rejects these keys: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
         return self._hf_config
 
     def _file_config(self) -> dict[str, Any]:
@@ -135,6 +145,9 @@ class HFCausalLM(Family):
 
     def check(self, plan: Plan) -> None:
         c = self.hf_config
+        for key in _SIZES:  # 0 layers would train an embedding alone
+            if isinstance(getattr(c, key, None), int) and getattr(c, key) < 1:
+                raise Invalid(f"model.config.{key}={getattr(c, key)} must be >= 1")
         if plan.seq_len > self.max_seq_len:
             raise Invalid(f"seq_len={plan.seq_len} > model.config.max_position_embeddings={self.max_seq_len}")
         heads, hidden = getattr(c, "num_attention_heads", None), getattr(c, "hidden_size", None)
