@@ -93,9 +93,19 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 
 @functools.cache
 def option_defaults(group: str, option: str) -> dict:
-    """An option's own values as its file gives them (conf/<group>/<option>.yaml); {} if none."""
+    """An option's values as its file gives them (conf/<group>/<option>.yaml), on top of the
+    options of its group that its `defaults` list names (gpt-mini.yaml extends gpt2.yaml, its
+    _target_ and vocab_size included); {} if none. An experiment's `override /group` entries stay
+    in its `defaults`."""
     path = CONF / group / f"{option}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+    own = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
+    if group == "experiment":
+        return own
+    merged = {}
+    for entry in own.pop("defaults", []):
+        if isinstance(entry, str) and entry != "_self_":
+            merged.update(option_defaults(group, entry))
+    return {**merged, **own}
 
 
 def options(group: str) -> list[str]:
@@ -104,8 +114,20 @@ def options(group: str) -> list[str]:
 
 
 def option_keys(group: str, option: str) -> list[str]:
-    """The keys one option takes (its file's, less `_target_` and Hydra's `defaults`)."""
+    """The keys one option's file sets (less `_target_` and Hydra's `defaults`)."""
     return sorted(k for k in option_defaults(group, option) if not str(k).startswith("_") and k != "defaults")
+
+
+def option_takes(group: str, option: str) -> list[str]:
+    """Every key one option takes: its file's and any other argument its class's __init__ has a
+    default for (gpt-nano's file leaves vocab_size at GPT2's). Imports the class: the slow path."""
+    import inspect
+
+    from hydra.utils import get_class
+
+    target = option_defaults(group, option).get("_target_")
+    params = inspect.signature(get_class(target).__init__).parameters if target else {}
+    return sorted(set(option_keys(group, option)) | {k for k in params if k != "self"})
 
 
 def _option_keys(group: str) -> list[str]:
@@ -173,9 +195,9 @@ def unknown_key(argv: list[str]) -> str | None:
         if head in GROUPS and rest:
             prefix, key = head + ".", rest.split(".")[0]
             valid = _option_keys(head)
-            chosen = _chosen(head, overrides)
-            taken = sorted({k for c in chosen if c in options(head) for k in option_keys(head, c)})
-            if key in valid and chosen and key not in taken:
+            chosen = [c for c in _chosen(head, overrides) if c in options(head)]
+            if key in valid and chosen and any(key not in option_keys(head, c) for c in chosen) \
+                    and any(key not in (taken := option_takes(head, c)) for c in chosen):
                 errors.append(f"{o.key_or_group}: not a key of {head}={','.join(chosen)}{belongs_to(head, key)}. "
                               f"Its keys: " + ", ".join(prefix + k for k in taken) + ".")
                 continue
