@@ -58,6 +58,9 @@ def check_config(spec: RunSpec, device: str | None = None) -> Techniques:
     the other device-specific rules wait for the worker, which calls this again with its device."""
     device = device or ("cpu" if spec.device == "cpu" else "auto")
     for group in ("model", *TECHNIQUE_GROUPS, "data"):
+        missing = [k for k, v in spec.groups[group].items() if v == "???"]  # OmegaConf's mandatory value
+        if missing:  # else instantiate's "Missing mandatory value: path", naming no group
+            raise Invalid(f"{group}.{missing[0]} is required by this {group} option: give {group}.{missing[0]}=...")
         check_types(group, spec.groups[group])
     t = Techniques.of(spec)
     data = instantiate(spec.groups["data"])  # its own checks (data.branching <= data.vocab_size); loading waits for the worker

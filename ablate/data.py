@@ -176,7 +176,10 @@ class Chars:
         self.path, self.eval_samples, self.seed = Path(path), eval_samples, seed
 
     def load(self, seq_len: int, model_vocab: int | None = None) -> TokenData:
-        text = self.path.read_text(encoding="utf-8")
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except OSError as exc:  # named by its key, as Tokens names its missing files
+            raise type(exc)(f"data.path={self.path}: {exc.strerror or exc}") from None
         chars = sorted(set(text))
         lookup = {ch: i for i, ch in enumerate(chars)}
         ids = np.fromiter((lookup[ch] for ch in text), dtype=np.uint16, count=len(text))

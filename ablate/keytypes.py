@@ -24,14 +24,16 @@ def check_types(group: str, node: dict) -> None:
     Unannotated keys pass."""
     from ablate.schema import belongs_to
 
-    init = get_class(node["_target_"]).__init__
-    params = inspect.signature(init).parameters
+    cls = get_class(node["_target_"])
+    init = cls.__init__
+    params = inspect.signature(cls).parameters  # of the class: () for one without an __init__ of its own
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        takes = [k for k in params if k != "self"]
+        takes = list(params)
         for key in node:
             if not key.startswith("_") and key not in takes:  # _target_, _convert_: instantiate's own
                 raise Invalid(f"{group}.{key} is not a key of {node['_target_'].rsplit('.', 1)[-1]}"
-                              f"{belongs_to(group, key)}. Its keys: " + ", ".join(f"{group}.{k}" for k in takes))
+                              f"{belongs_to(group, key)}. " + ("Its keys: " + ", ".join(f"{group}.{k}" for k in takes)
+                                                                 if takes else "It takes no keys."))
     try:
         hints = typing.get_type_hints(init)
     except NameError:  # an annotation naming a type imported only for type checkers: nothing to check against

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
+import typing
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
@@ -169,6 +170,33 @@ def _option_error(o, valid: list[str]) -> str | None:
             + f". Valid {o.key_or_group} options: " + ", ".join(valid) + ".")
 
 
+def _run_types() -> dict:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in fields(Config) if f.name not in GROUPS}
+
+
+RUN_TYPES = _run_types()  # run key -> its annotated type
+_KIND = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", type(None): "null"}
+
+
+def _wrong_type(o, hint) -> str | None:
+    """The error for a run key given a value of another type. OmegaConf converts rather than
+    refuses some: compile=-1 and compile=7 became true, a silent change of what was asked."""
+    from ablate.keytypes import fits
+
+    values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    enum = next((a for a in args if isinstance(a, type) and issubclass(a, Enum)), None)
+    for value in values:
+        ok = (value in [m.value for m in enum] or (value is None and type(None) in typing.get_args(hint))) if enum \
+            else fits(value, hint)
+        if not ok:
+            kinds = "one of " + ", ".join(m.value for m in enum) if enum else " or ".join(
+                _KIND.get(a, a.__name__) for a in (typing.get_args(hint) or [hint]))
+            return f"{o.key_or_group}={value!r} must be {kinds}."
+    return None
+
+
 def unknown_key(argv: list[str]) -> str | None:
     """The error for a command line that sets a key no config has, naming the closest key and the
     valid ones (Hydra's own says only "Key 'batch_sz' not in 'Config'", or suggests `+key` for an
@@ -196,13 +224,16 @@ def unknown_key(argv: list[str]) -> str | None:
             prefix, key = head + ".", rest.split(".")[0]
             valid = _option_keys(head)
             chosen = [c for c in _chosen(head, overrides) if c in options(head)]
-            if key in valid and chosen and any(key not in option_keys(head, c) for c in chosen) \
-                    and any(key not in (taken := option_takes(head, c)) for c in chosen):
-                errors.append(f"{o.key_or_group}: not a key of {head}={','.join(chosen)}{belongs_to(head, key)}. "
-                              f"Its keys: " + ", ".join(prefix + k for k in taken) + ".")
+            lacking = [c for c in chosen if key not in option_keys(head, c)]
+            lacking = [c for c in lacking if key not in option_takes(head, c)] if key in valid else []
+            if lacking:  # a sweep's every point must take it: Hydra would stop the sweep at the first that does not
+                errors.append(f"{o.key_or_group}: not a key of {head}={lacking[0]}{belongs_to(head, key)}. Its keys: "
+                              + ", ".join(prefix + k for k in option_takes(head, lacking[0])) + ".")
                 continue
         else:
             prefix, key, valid = "", head, [f.name for f in fields(Config)] + ["experiment", "hydra"]
+            if key in RUN_TYPES and not rest:
+                errors.append(_wrong_type(o, RUN_TYPES[key]))
         if key not in valid:
             close = [prefix + k for k in difflib.get_close_matches(key, valid, n=1)]
             errors.append(f"unknown key '{o.key_or_group}'" + (f" (did you mean '{close[0]}'?)" if close else "")

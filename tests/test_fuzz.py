@@ -1,0 +1,191 @@
+"""Property: whatever a user types, ablate answers with a one-line error naming a key, or with a
+row whose reason names one, or runs exactly the config that was asked for. Never a traceback.
+
+Overrides are drawn (hypothesis): unknown options and keys, wrong types, zero, negative and huge
+numbers, empty strings, bad paths, and combinations of them. Each draw goes through what the CLI
+does before a worker starts (the command-line check, Hydra's composition, the job's validation);
+a bounded sample goes through the CLI itself. The default suite draws a few dozen (derandomized:
+the same ones every run); `make test-slow` draws 500 and more through the CLI.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from omegaconf.errors import OmegaConfBaseException
+
+from ablate.schema import GROUPS, option_keys, options, unknown_key
+from helpers import ROOT, compose_config
+
+RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "seed", "compile", "device", "peak_tflops",
+            "timeout_s", "alloc_conf", "gpu_memory_gib", "prune", "prune_margin", "find_batch", "predict",
+            "predict_only")
+HUGE = ["1e30", "999999999999", "inf"]
+NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "-0.5", "0.5", "1e-9", "nan"]
+WORDS = ["''", "abc", "true", "false", "null", "[1,2]", "/nonexistent/dir", "/proc/forbidden", "../..", "cuda",
+         "'a b'"]
+# Options each group has, plus misspellings of them; and keys no config has.
+CHOICES = {g: options(g) for g in (*GROUPS, "experiment")}
+# What a real run on a CPU can take within a test: no huge sizes (a batch of 10**12 samples would
+# take the host's memory, not give a row), no model larger than gpt-micro.
+TAME = {"values": NUMBERS + WORDS, "choices": {**CHOICES, "model": ["gpt-nano", "gpt-micro"]}}
+WILD = {"values": NUMBERS + HUGE + WORDS, "choices": CHOICES}
+TYPOS = ["adamx", "leanst", "nonexistent", "gpt-nan", "x4 ", ""]
+UNKNOWN_KEYS = ["batch_sz", "model.n_layr", "optimizer.momentun", "foo", "checkpoint.every"]
+# Sizes kept small enough for a model to be built and predicted (the CLI sample runs them).
+SMALL = ["model=gpt-nano", "seq_len=16", "batch_size=4", "steps=2", "warmup_steps=2", "device=cpu"]
+
+
+@st.composite
+def an_override(draw, values: list[str], choices: dict) -> str:
+    value = st.sampled_from(values)
+    kind = draw(st.sampled_from(["run", "choice", "option_key", "unknown", "add"]))
+    if kind == "run":
+        return f"{draw(st.sampled_from(RUN_KEYS))}={draw(value)}"
+    if kind == "choice":
+        group = draw(st.sampled_from(sorted(choices)))
+        return f"{group}={draw(st.sampled_from(choices[group] + TYPOS))}"
+    if kind == "unknown":
+        return f"{draw(st.sampled_from(UNKNOWN_KEYS))}={draw(value)}"
+    group = draw(st.sampled_from(GROUPS))
+    option = draw(st.sampled_from(CHOICES[group]))
+    key = draw(st.sampled_from(option_keys(group, option) or ["x"]))
+    other = draw(st.sampled_from(choices[group]))  # the key may belong to another option than the one run
+    prefix = "+" if kind == "add" else ""
+    return f"{group}={other} {prefix}{group}.{key}={draw(value)}"
+
+
+def command_lines(kind: dict):
+    return st.lists(an_override(**kind), min_size=1, max_size=3).map(lambda items: " ".join(items).split())
+
+
+overrides, tame_overrides = command_lines(WILD), command_lines(TAME)
+
+
+def _dedupe(args: list[str]) -> list[str]:
+    """The last value of each key, as a command line's later override wins; Hydra refuses a key
+    given twice, which is no input a person types."""
+    last = {a.lstrip("+").split("=", 1)[0]: a for a in args}
+    return list(last.values())
+
+
+def _parsed(args: list[str]) -> list | None:
+    try:
+        return OverridesParser.create().parse_overrides(args)
+    except HydraException:
+        return None
+
+
+def _names(args: list[str]) -> set[str]:
+    """What a message may name: each override's key, its last part, its group, its value."""
+    names = set()
+    for a in args:
+        key, _, value = a.lstrip("+").partition("=")
+        names |= {key, key.split(".")[-1], key.split(".")[0], value.strip("'")}
+    return {n for n in names if n}
+
+
+def _same(asked, got) -> bool:
+    if isinstance(asked, float) and isinstance(got, (int, float)):
+        return got == asked or (math.isnan(asked) and math.isnan(got))
+    return asked == got or (isinstance(got, str) and str(asked) == got)  # enums come back as their names
+
+
+def before_the_worker(args: list[str]) -> tuple[str, object]:
+    """What the CLI makes of `args` before any worker starts: ("error", message) for a command
+    line it refuses, ("invalid", reason) for a row without a run, ("runs", config) otherwise."""
+    from ablate.job import resolve_alloc_conf, resolve_nproc, validate
+    from ablate.spec import RunSpec
+
+    error = unknown_key(args)
+    if error:
+        return "error", error
+    try:
+        config = compose_config(args)
+    except (HydraException, OmegaConfBaseException) as exc:  # printed by Hydra as its one message
+        return "error", str(exc)
+    resolve_nproc(config)
+    resolve_alloc_conf(config)
+    try:
+        spec = RunSpec.of(config)
+    except (KeyError, TypeError) as exc:
+        pytest.fail(f"{args}: the job could not read its config: {exc!r}")
+    invalid = validate(spec)
+    return ("invalid", invalid.reason) if invalid else ("runs", config)
+
+
+def check(args: list[str]) -> None:
+    args = _dedupe(args)
+    parsed = _parsed(args)
+    kind, what = before_the_worker([*SMALL, *args])
+    if kind == "error":
+        assert what and "Traceback" not in what
+        assert any(n in what for n in _names(args)), f"{args}: the error names none of them: {what}"
+    elif kind == "invalid":
+        assert what and "\n" not in what, f"{args}: a reason is one line: {what!r}"
+        assert any(n in what for n in _names([*SMALL, *args])) or "=" in what, f"{args}: names nothing: {what}"
+    else:  # it runs: exactly what was asked
+        assert parsed is not None
+        for o in parsed:
+            if o.is_delete() or o.is_sweep_override():
+                continue
+            key = o.key_or_group
+            if key in CHOICES or "/" in key:  # a group choice: its option's target is the one composed
+                continue
+            node = what
+            for part in key.split("."):
+                node = node[part]
+            assert _same(o.value(), node), f"{args}: asked {key}={o.value()!r}, would run {node!r}"
+
+
+@settings(max_examples=40, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(overrides)
+def test_every_drawn_command_line_is_an_error_a_reason_or_what_was_asked(args):
+    check(args)
+
+
+@pytest.mark.slow
+@settings(max_examples=500, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(overrides)
+def test_every_drawn_command_line_many(args):
+    check(args)
+
+
+def cli(args: list[str], out_dir, extra: list[str]) -> None:
+    """The same property through `python -m ablate`: exit 0 with rows whose reasons are one line,
+    or exit 1 with a message and no traceback."""
+    args = _dedupe(args)
+    proc = subprocess.run([sys.executable, "-m", "ablate", *SMALL, *extra, *args, f"out_dir={out_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert "Traceback" not in proc.stderr + proc.stdout, (args, proc.stderr[-3000:])
+    if proc.returncode != 0:
+        assert proc.returncode == 1 and proc.stderr.strip(), (args, proc.stderr)
+        return
+    rows = [json.loads(p.read_text()) for p in out_dir.rglob("result.json")]
+    assert len(rows) == 1, (args, proc.stdout)
+    assert rows[0]["status"] in ("ok", "predicted", "invalid", "oom"), (args, rows[0]["reason"])
+    assert rows[0]["reason"] is None or "\n" not in rows[0]["reason"]
+
+
+@settings(max_examples=2, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(args=tame_overrides)
+def test_a_drawn_command_line_through_the_cli(args, tmp_path_factory):
+    cli(args, tmp_path_factory.mktemp("cli"), ["predict_only=true"])
+
+
+@pytest.mark.slow
+@settings(max_examples=25, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(args=tame_overrides)
+def test_drawn_command_lines_through_the_cli_run_for_real(args, tmp_path_factory):
+    cli(args, tmp_path_factory.mktemp("cli"), ["timeout_s=120"])
