@@ -66,6 +66,8 @@ def check_config(spec: RunSpec, device: str | None = None) -> Techniques:
     data = instantiate(spec.groups["data"])  # its own checks (data.branching <= data.vocab_size); loading waits for the worker
     if (getattr(data, "vocab_size", None) or 0) > t.model.vocab_size:
         raise Invalid(f"data.vocab_size={data.vocab_size} > the model's vocabulary of {t.model.vocab_size} tokens")
+    if spec.eval_steps < 0:
+        raise Invalid(f"eval_steps={spec.eval_steps} must be >= 0 (0: no eval)")
     for key in ("batch_size", "seq_len", "steps", "samples"):  # steps=0 would report an ok run that timed nothing
         if getattr(spec, key) is not None and getattr(spec, key) < 1:
             raise Invalid(f"{key}={getattr(spec, key)} must be >= 1")

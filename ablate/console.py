@@ -12,6 +12,13 @@ def _fmt(value, spec: str, unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+def _overhead(timing: dict) -> str:
+    """'  overhead 31.2 of 36.0 s': the point's wall time outside its measured steps (start-up,
+    build, warm-up, trace, eval, teardown), where the phases were timed."""
+    wall, measured = timing.get("wall_s"), (timing.get("phases_s") or {}).get("measured")
+    return f"  overhead {wall - measured:.1f} of {wall:.1f} s" if wall is not None and measured is not None else ""
+
+
 class Progress:
     def __init__(self, label: str, stream=sys.stdout):
         self.label, self.stream = label, stream
@@ -20,8 +27,8 @@ class Progress:
         self._live = False
 
     def __call__(self, event: dict) -> None:
-        if event["event"] == "phase":
-            self._show(f"{self.label}  {event['phase']}...", force=event["phase"] == "init")
+        if event["event"] == "phase":  # eval gets a line of its own: it can outlast a short run's training
+            self._show(f"{self.label}  {event['phase']}...", force=event["phase"] in ("init", "eval"))
         elif event["event"] == "progress":
             self._show(f"{self.label}  step {event['step']}/{event['steps']}  loss {event['loss']:.4f}"
                        f"  {event['elapsed_s']:.1f}s", force=event["step"] == event["steps"])
@@ -54,7 +61,8 @@ class Progress:
             error = f", {100 * (predicted / peak - 1):+.1f}%" if predicted and peak else ""  # the model's own check
             detail = (f"peak {_fmt(peak, '.1f', ' MiB')} (predicted {_fmt(predicted, '.1f')}{error})"
                       f"  iter {_fmt(m['iter_time_ms'], '.1f', ' ms')}"
-                      f"  {_fmt(m['tokens_per_s'], ',.0f', ' tok/s')}  loss {_fmt(m['loss_final'], '.4f')}")
+                      f"  {_fmt(m['tokens_per_s'], ',.0f', ' tok/s')}  loss {_fmt(m['loss_final'], '.4f')}"
+                      + _overhead(result.get("timing") or {}))
         elif result["status"] == "predicted":
             detail = f"predicted peak {_fmt(predicted, ',.1f', ' MiB')}"
             if result["reason"]:  # e.g. what a predicted batch search could not answer

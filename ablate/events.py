@@ -2,18 +2,19 @@
 
 A file rather than stdout so that it survives a crash (the job reads what was written before a
 SIGKILL), and so that the worker's own stdout/stderr stay a plain log. Events:
-  {"event": "phase", "phase": "init"|"train"|"measure"|"eval"}
+  {"event": "phase", "phase": "init"|"train"|"trace"|"measure"|"eval"|"report"}
   {"event": "progress", "step": k, "steps": N, "loss": float, "elapsed_s": float}
   {"event": "result", "metrics": {...}, "env": {...}}
   {"event": "failure", "status": "oom"|"invalid"|"error", "reason": str}   (from any rank)
   {"event": "started", "pid": int}   (from every rank: lets the job attribute NVML memory to ranks)
   {"event": "launcher", "failures": [{"rank": r, "exitcode": int}, ...]}   (torchrun's failed ranks)
-Every event carries "rank".
+Every event carries "rank" and "t" (time.time() when it was written).
 """
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 EVENTS_FILE = "events.jsonl"
@@ -30,6 +31,26 @@ def _clean(value):
     return value
 
 
+# Where a worker's wall time goes, between consecutive marks (result.json's timing.phases_s):
+# the process start with its imports, setup (device, process group, data), building the model and
+# optimizer, the warm-up steps, the traced step, the measured steps, eval, gathering and teardown.
+PHASES = (("startup", "launched", "started"), ("setup", "started", "init"), ("build", "init", "train"),
+          ("warmup", "train", "trace"), ("traced_step", "trace", "measure"), ("measured", "measure", "eval"),
+          ("eval", "eval", "report"), ("teardown", "report", "ended"))
+
+
+def phase_seconds(events: list[dict], launched: float, ended: float) -> dict:
+    """{phase: seconds} from rank 0's events and the job's clock around the worker (time.time());
+    a phase whose marks the worker never reached (it failed first) is left out."""
+    marks = {"launched": launched, "ended": ended}
+    for e in events:
+        if e.get("rank", 0) == 0 and "t" in e:
+            mark = e["phase"] if e["event"] == "phase" else e["event"]
+            marks.setdefault(mark, e["t"])
+    return {name: round(marks[end] - marks[start], 3) for name, start, end in PHASES
+            if start in marks and end in marks}
+
+
 class EventWriter:
     """Rank 0 speaks for the group; every rank reports its own failure (with its rank), so the job
     can say which rank failed and how. One short line per write: O_APPEND keeps lines whole."""
@@ -41,7 +62,8 @@ class EventWriter:
     def emit(self, event: str, **fields) -> None:
         if self.rank != 0 and event not in ("failure", "started"):
             return
-        self._file.write(json.dumps(_clean({"event": event, "rank": self.rank, **fields})) + "\n")
+        # t: wall-clock seconds (time.time), comparable with the job's clock: timing.phases_s
+        self._file.write(json.dumps(_clean({"event": event, "rank": self.rank, "t": time.time(), **fields})) + "\n")
         self._file.flush()
 
 

@@ -311,7 +311,7 @@ def run_claimed(point: Point, progress: Progress) -> dict:
     started, t0 = datetime.now(timezone.utc), time.monotonic()
     outcome, prediction = outcome_of(point.spec, point.run_dir, point.overrides, progress)
     timing = {"started_at": started.isoformat(), "finished_at": datetime.now(timezone.utc).isoformat(),
-              "wall_s": time.monotonic() - t0}
+              "wall_s": time.monotonic() - t0, "phases_s": outcome.phases or None}
     if int(os.environ.get("SLURM_PROCID", 0)) != 0:
         return {}  # multi-node: every node ran its ranks; the first node's task writes the row
     result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing, prediction,

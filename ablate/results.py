@@ -63,7 +63,7 @@ def make(run_id: str, status: str, reason: str | None, choices: dict, config: di
         "metrics": {k: metrics.get(k) for k in METRIC_KEYS},
         "prediction": prediction or {"peak_mib": None, "breakdown_mib": None, "method": None},
         "env": {k: env.get(k) for k in ENV_KEYS},
-        "timing": timing or {"started_at": None, "finished_at": None, "wall_s": None},
+        "timing": {"started_at": None, "finished_at": None, "wall_s": None, "phases_s": None, **(timing or {})},
         "artifacts": {k: artifacts.get(k) for k in ARTIFACTS},
     }
 

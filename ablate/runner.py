@@ -116,6 +116,7 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
             first_step_s = measure.seconds_since(start, device)
     breakdown, traced_peak, warm_peaks = None, None, {}
     if warmup >= 1:
+        events.emit("phase", phase="trace")
         out = run_dir if rank == 0 else None  # rank 0 writes the files
         breakdown, traced_peak, warm_peaks = last_warmup_step(lambda: losses.append(step(warmup - 1)), model,
                                                               optimizer, t, device, mem, history, out)
@@ -201,7 +202,8 @@ def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict 
     model, trained = train(spec, t, data, device, events, before_first_step, Path(job["run_dir"]))
     limit.check(trained.peaks["peak_allocated_mib"])
     events.emit("phase", phase="eval")
-    eval_loss = evaluate(model, data, spec.batch_size, t, device)
+    eval_loss = evaluate(model, data, spec.batch_size, t, device, spec.eval_steps)
+    events.emit("phase", phase="report")  # gathering every rank's figures, tearing down
     mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
             "host_peak_rss_mib": measure.host_peak_rss_mib()}
     ranks = all_ranks(mine)

@@ -58,6 +58,10 @@ class Config:
     # sees a bucket only from the first gradient copied into it, and can miss it at a peak before.
     warmup_steps: int = 2
     samples: Optional[int] = None  # if set: train on this many samples instead of `steps`
+    # eval_loss after the measured steps over this many held-out batches of batch_size samples (at
+    # most data.eval_samples); 0: no eval. Bounded: at 256 samples, a 2-step CPU run evaluated for
+    # minutes after it trained for seconds.
+    eval_steps: int = 2
     seed: int = 0
     compile: bool = False  # torch.compile the model (after checkpoint wrapping, before parallel wrapping)
     device: Device = Device.auto

@@ -25,6 +25,7 @@ class RunSpec:
     seq_len: int
     steps: int
     warmup_steps: int
+    eval_steps: int
     samples: int | None
     seed: int
     compile: bool

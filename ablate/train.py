@@ -1,6 +1,7 @@
 """The train loop. It names no technique: it calls the built options' shared interface."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -31,11 +32,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: TokenData, batch_size: int, t: Techniques,
-             device: torch.device) -> float | None:
-    """Mean loss over the held-out split, in eval mode."""
+             device: torch.device, batches: int) -> float | None:
+    """Mean loss over the first `batches` held-out batches, in eval mode; None without any."""
     model.eval()
     total, count = 0.0, 0
-    for x, y in data.eval_batches(batch_size):
+    for x, y in itertools.islice(data.eval_batches(batch_size), batches):
         with t.precision.autocast(device.type):
             _, loss = model(x.to(device), y.to(device))
         total += loss.item() * len(x)

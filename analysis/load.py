@@ -11,8 +11,8 @@ from ablate.results import ARTIFACTS, RESULT_FILE
 from ablate.schema import GROUPS
 
 # Top-level run keys that can differ between runs and so may label a row.
-RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "seed", "device", "compile", "gpu_memory_gib",
-            "alloc_conf")
+RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "eval_steps", "samples", "seed", "device", "compile",
+            "gpu_memory_gib", "alloc_conf")
 
 
 def result_files(paths: list[str | Path]) -> list[Path]:

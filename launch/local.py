@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ablate.events import EventReader
+from ablate.events import EventReader, phase_seconds
 from launch.nvml import NvmlSampler
 
 KILL_GRACE_S = 10.0  # SIGTERM first, so torchrun can stop its ranks; SIGKILL after this
@@ -29,6 +29,7 @@ class Outcome:
     metrics: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     stopped_by: int | None = None  # a stop signal the job received while the worker ran (deferred)
+    phases: dict = field(default_factory=dict)  # seconds per phase of the worker (events.PHASES)
 
 
 # Signals that stop a job from outside: SLURM sends SIGUSR2 `signal_delay_s` before its time limit
@@ -145,6 +146,7 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
     log = run_dir / "worker.log"
     reader, events, timed_out, stopped = EventReader(run_dir), [], False, []
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    launched = time.time()  # the workers' event clock (events.py), for timing.phases_s
     with open(log, "w") as log_file:
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env, preexec_fn=_die_with_parent)
@@ -174,7 +176,9 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
             if proc.poll() is None:
                 _kill_group(proc)
         follow()
+    ended = time.time()
     outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
+    outcome.phases = phase_seconds(events, launched, ended)
     if stopped and outcome.status != "ok":
         name = signal.Signals(stopped[0]).name
         outcome = Outcome("timeout" if stopped[0] == signal.SIGUSR2 else "error",

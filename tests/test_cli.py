@@ -42,6 +42,10 @@ def test_multirun_writes_one_result_per_point(sweep):
     assert [d for d in dirs if "optimizer=sgd" in d.split(",")] and all("seq_len=16" in d for d in dirs)
     assert len({r["run_id"] for r in results}) == 2
     assert proc.stdout.count("[     ok]") == 2  # one summary line per point
+    assert proc.stdout.count("  eval...\n") == 2  # eval says so, whatever the terminal
+    for r in results:  # each line says how much of the point's wall time was not its measured steps
+        t = r["timing"]
+        assert f"overhead {t['wall_s'] - t['phases_s']['measured']:.1f} of {t['wall_s']:.1f} s" in proc.stdout
 
 
 def test_result_carries_every_contract_field(sweep):
@@ -50,7 +54,12 @@ def test_result_carries_every_contract_field(sweep):
         assert set(r["metrics"]) == METRICS and set(r["env"]) == ENV and set(r["choices"]) == CHOICES
         assert set(r["prediction"]) == {"peak_mib", "breakdown_mib", "method"}
         assert r["prediction"]["method"] == "analytic" and r["prediction"]["peak_mib"] > 0
-        assert set(r["timing"]) == {"started_at", "finished_at", "wall_s"}
+        assert set(r["timing"]) == {"started_at", "finished_at", "wall_s", "phases_s"}
+        # Where the wall time went: every phase of the worker, in order, within the job's wall time.
+        phases = r["timing"]["phases_s"]
+        assert list(phases) == ["startup", "setup", "build", "warmup", "traced_step", "measured", "eval", "teardown"]
+        assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= r["timing"]["wall_s"]
+        assert phases["measured"] >= r["metrics"]["train_latency_s"]  # the timed steps are inside it
         assert set(r["metrics"]["breakdown_mib"]) == {"params", "grads", "optimizer", "activations", "other"}
         m = r["metrics"]
         for key in ("iter_time_ms", "tokens_per_s", "samples_per_s", "loss_first", "loss_final", "eval_loss",
@@ -76,6 +85,13 @@ def test_rerun_skips_finished_points_and_skip_existing_false_reruns(sweep):
     assert forced.returncode == 0, forced.stderr
     (rerun,) = results_under(out / "sweeps" / "forced")
     assert rerun["run_id"] in first and rerun["timing"]["started_at"] > first[rerun["run_id"]]["timing"]["started_at"]
+
+
+def test_eval_steps_zero_turns_eval_off(tmp_path):
+    proc = run_cli(["eval_steps=0"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (r,) = results_under(tmp_path)
+    assert r["status"] == "ok" and r["metrics"]["eval_loss"] is None and r["metrics"]["loss_final"] > 0
 
 
 def test_single_run_goes_under_outputs_runs_and_samples_sets_the_steps(tmp_path):

@@ -84,3 +84,20 @@ def test_data_too_short_or_a_chain_wider_than_its_vocabulary_names_the_key(tmp_p
         Chars(str(f)).load(64)
     outcome = validate(compose_spec(["data.vocab_size=8", "model.vocab_size=8", "data.branching=9"]))
     assert (outcome.status, outcome.reason) == ("invalid", "data.branching=9 > data.vocab_size=8")
+
+
+def test_eval_is_bounded_by_eval_steps_and_off_at_zero():
+    """A 2-step run evaluated 256 held-out samples after training (4 minutes of gpt2 on a CPU):
+    eval_steps batches of batch_size now, none at 0."""
+    from ablate.build import check_config
+    from ablate.train import evaluate
+
+    data = Synthetic(vocab_size=64, train_samples=32, eval_samples=64).load(8)
+    t = check_config(compose_spec(["model=gpt-nano", "model.vocab_size=64", "data.vocab_size=64", "device=cpu"]))
+    model = t.model.build()
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
+    one = evaluate(model, data, 4, t, torch.device("cpu"), batches=1)
+    assert seen == [4] and one > 0  # one batch of 4 of the 64 held-out samples
+    assert evaluate(model, data, 4, t, torch.device("cpu"), batches=3) != one and seen[1:] == [4, 4, 4]
+    assert evaluate(model, data, 4, t, torch.device("cpu"), batches=0) is None and len(seen) == 4

@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ablate.schema import GROUPS, option_keys, options, unknown_key
 from helpers import ROOT, compose_config
 
-RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "seed", "compile", "device", "peak_tflops",
+RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "eval_steps", "samples", "seed", "compile", "device", "peak_tflops",
             "timeout_s", "alloc_conf", "gpu_memory_gib", "prune", "prune_margin", "find_batch", "predict",
             "predict_only")
 HUGE = ["1e30", "999999999999", "inf"]
