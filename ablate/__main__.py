@@ -8,7 +8,7 @@ import hydra_plugins
 from omegaconf import DictConfig
 
 import launch
-from ablate.schema import register, unknown_key
+from ablate.schema import CONF, register, unknown_key
 
 register()
 # Hydra finds launchers by listing the `hydra_plugins` namespace folders. An editable install maps
@@ -19,14 +19,28 @@ if _PLUGINS.is_dir() and str(_PLUGINS) not in list(hydra_plugins.__path__):
     hydra_plugins.__path__.append(str(_PLUGINS))
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+_single: list[dict] = []  # the result of a single run (not -m), for its exit status
+
+
+# An absolute path: run as the `ablate` console script, Hydra would read "../conf" as a Python package.
+@hydra.main(config_path=str(CONF), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     from ablate.job import run_point  # after composition: `--cfg job` and `--help` stay fast
 
-    return run_point(cfg)  # the result: a sweeper may decide what to run next from it
+    result = run_point(cfg)  # the result: a sweeper may decide what to run next from it
+    if HydraConfig.get().mode == RunMode.RUN:
+        _single.append(result)
+    return result
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`ablate ARGS` (the console script) and `python -m ablate ARGS`. Exit status: 0, or 1 for a
+    command line it refuses and for a single run whose point ended invalid, oom, error or timeout
+    (so a script notices; a sweep that survives its failing points exits 0, its rows say how each
+    ended), 130 for Ctrl-C."""
     error = unknown_key(sys.argv[1:])
     if error:
         sys.exit(error)
@@ -39,3 +53,9 @@ if __name__ == "__main__":
         # interrupt (exit status 130) and stops too.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.raise_signal(signal.SIGINT)
+    if _single and _single[0].get("status") not in ("ok", "predicted"):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli()

@@ -52,33 +52,33 @@ class Config:
     batch_size: int = 8  # samples per optimizer step per rank: the effective batch
     seq_len: int = 64  # tokens per sample
     steps: int = 10  # measured optimizer steps
-    # Unmeasured steps; the last is traced for the breakdown (>= 2: optimizer states exist). At 2
+    # Unmeasured steps (>= 2): the first allocates the optimizer state, the last is traced for the breakdown. At 2
     # the traced step is also the one in which DDP rebuilds its gradient buckets, so MemTracker sees
     # them from their allocation (in forward, so it calls them activations). In a later step it
     # sees a bucket only from the first gradient copied into it, and can miss it at a peak before.
     warmup_steps: int = 2
-    samples: Optional[int] = None  # if set: train on this many samples instead of `steps`
-    # eval_loss after the measured steps over this many held-out batches of batch_size samples (at
-    # most data.eval_samples); 0: no eval. Bounded: at 256 samples, a 2-step CPU run evaluated for
-    # minutes after it trained for seconds.
+    samples: Optional[int] = None  # train on this many samples instead of `steps` (null: use steps)
+    # Held-out batches of batch_size samples for eval_loss after the measured steps, 0 for none (at
+    # most data.eval_samples). Bounded: at 256 samples, a 2-step CPU run evaluated for minutes after
+    # it trained for seconds.
     eval_steps: int = 2
-    seed: int = 0
+    seed: int = 0  # torch's seed for initialisation and dropout (the data has its own, data.seed)
     compile: bool = False  # torch.compile the model (after checkpoint wrapping, before parallel wrapping)
-    device: Device = Device.auto
+    device: Device = Device.auto  # auto (cuda when the worker sees a GPU, else cpu), cpu or cuda
     peak_tflops: Optional[float] = None  # dense peak TFLOP/s for MFU on a GPU missing from the table
     timeout_s: float = 1800.0  # wall-clock limit of one worker
-    # PYTORCH_CUDA_ALLOC_CONF of the worker, an ablation axis (expandable_segments:True trades the
+    # The worker's PYTORCH_CUDA_ALLOC_CONF, an ablation axis. (expandable_segments:True trades the
     # caching allocator's fixed-size segments for growable ones: less fragmentation, reserved
     # closer to allocated). null: the job's own environment's value, recorded here when set.
     alloc_conf: Optional[str] = None
     skip_existing: bool = True  # skip a point whose result.json is already terminal
-    out_dir: str = "outputs"
-    # Capacity planning (ablate/predict/, ablate/capacity.py). Memory is predicted for every point.
-    predict: Predict = Predict.analytic
+    out_dir: str = "outputs"  # where runs/, sweeps/ and the index of finished points go
+    # Capacity planning (ablate/predict/, ablate/capacity.py): memory is predicted for every point.
+    predict: Predict = Predict.analytic  # how memory is predicted: analytic (instant), trace (seconds) or none
     predict_only: bool = False  # record each point's prediction (status "predicted") and run nothing
     gpu_memory_gib: Optional[float] = None  # emulate a GPU of this size (GiB); rows say so in env
-    prune: bool = False  # record points predicted not to fit as oom ("predicted: ...") without running them
-    prune_margin: float = 0.1  # prune only above capacity x (1 + margin): the prediction may be high
+    prune: bool = False  # record a point predicted not to fit as an oom row without running it
+    prune_margin: float = 0.1  # prune only above capacity x (1 + margin), as the prediction may be high
     find_batch: bool = False  # search the largest micro-batch that fits (accumulation keeps batch_size)
     rung: Optional[int] = None  # position in a ladder (hydra/sweeper=ladder sets it); the report orders by it
 
@@ -211,7 +211,10 @@ def unknown_key(argv: list[str]) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
-        overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(argv)[0].overrides)
+        args = get_args_parser().parse_known_args(argv)[0]
+        if args.shell_completion:  # `--shell-completion install=bash`: Hydra's own words, not overrides
+            return None
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
     except Exception:  # a syntax error: Hydra reports it better
         return None
     errors = []
@@ -252,3 +255,10 @@ def unknown_key(argv: list[str]) -> str | None:
 def register() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     OmegaConf.register_new_resolver("short_dirname", short_dirname, replace=True)  # conf/config.yaml
+    OmegaConf.register_new_resolver("ablate_help", _help_text, replace=True)  # --help's middle
+
+
+def _help_text() -> str:
+    from ablate.help import text
+
+    return text()

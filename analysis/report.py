@@ -178,5 +178,10 @@ def write_report(df: pd.DataFrame, labels: list[str], bases: pd.Series, args: ar
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`ablate-report ARGS` (the console script), the same as `python -m analysis.report ARGS`."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

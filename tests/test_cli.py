@@ -9,6 +9,7 @@ import pytest
 from hydra.utils import instantiate
 
 from ablate.build import check_config
+from ablate.schema import RUN_TYPES, options
 from helpers import ROOT, compose_config, compose_spec, results_under, run_cli
 
 # The result contract as ../shared/DESIGN.md writes it; results.py must produce exactly these keys
@@ -174,7 +175,18 @@ def test_help_says_what_ablate_is_and_its_examples_are_valid_points():
     proc = subprocess.run([sys.executable, "-m", "ablate", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ablate: ablation grids of memory-saving techniques")
-    assert "optimizer: adafactor, adamw, adamw4bit, adamw8bit" in proc.stdout and "== Examples ==" in proc.stdout
+    assert "== Examples ==" in proc.stdout
+    # One line for each option and each run key, from the option's file and the schema's comments.
+    lines = proc.stdout.splitlines()
+    assert "  adamw                   torch.optim.AdamW with PyTorch's default implementation choice" in lines
+    assert "  warmup_steps            Unmeasured steps (>= 2): the first allocates the optimizer state, the last is tra..." \
+        in lines
+    for group in ("model", "optimizer", "checkpoint", "experiment"):
+        listed = lines[lines.index(f"{group}:") + 1:]
+        for option in options(group):
+            assert any(ln.startswith(f"  {option} ") and len(ln.split()) > 2 for ln in listed[:40]), option
+    for key in RUN_TYPES:
+        assert any(ln.startswith(f"  {key} ") and len(ln.split()) > 1 for ln in lines), key
     examples = [ln.split()[3:] for ln in proc.stdout.splitlines() if ln.strip().startswith("python -m ablate")]
     assert len(examples) >= 4
     for args in examples:

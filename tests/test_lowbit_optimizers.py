@@ -103,7 +103,7 @@ def test_missing_torchao_is_an_invalid_row(monkeypatch):
     for option in (AdamW4bit(), AdamW8bitAO(), AdamWFp8()):
         with pytest.raises(Invalid) as err:
             option.check(Plan(device="auto", batch_size=8, seq_len=16))
-        assert str(err.value) == f"optimizer={option.name} needs torchao: pip install 'ablate[ao]'"
+        assert str(err.value) == f"optimizer={option.name} needs torchao: pip install torchao"
 
 
 def test_odd_4bit_block_size_is_invalid():

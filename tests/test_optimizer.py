@@ -197,7 +197,7 @@ def test_missing_optional_packages_are_invalid_not_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: import fails
     with pytest.raises(Invalid) as err:
         AdamW8bit().check(plan())
-    assert str(err.value) == "optimizer=adamw8bit needs bitsandbytes: pip install 'ablate[bnb]'"
+    assert str(err.value) == "optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes"
     monkeypatch.setitem(sys.modules, "torchao", None)
     with pytest.raises(Invalid, match=r"needs torchao: pip install 'ablate\[ao\]'"):
         AdamW().check(plan(stochastic_rounding=True, param_dtype="bf16"))

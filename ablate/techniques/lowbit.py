@@ -33,7 +33,7 @@ class LowBitAdamW(TorchOptimizer):
     def check(self, plan: Plan) -> None:
         super().check(plan)
         if not _installed("torchao"):
-            raise Invalid(f"optimizer={self.name} needs torchao: pip install 'ablate[ao]'")
+            raise Invalid(f"optimizer={self.name} needs torchao: pip install torchao")
         if self.block_size < 1:
             raise Invalid(f"optimizer.block_size={self.block_size} must be >= 1 (values per fp32 scale)")
         self._round_stochastically = plan.stochastic_rounding

@@ -55,7 +55,7 @@ class OptimizerState(NoOffload):
         try:
             import torchao.optim  # noqa: F401
         except ImportError as e:  # not installed, or built for another torch
-            raise Invalid(f"offload=optimizer needs torchao ({e}): pip install 'ablate[ao]'") from None
+            raise Invalid(f"offload=optimizer needs torchao ({e}): pip install torchao") from None
 
     def build_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
         from torchao.optim import CPUOffloadOptimizer

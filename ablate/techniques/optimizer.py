@@ -167,7 +167,7 @@ class AdamW(TorchOptimizer):
                 raise Invalid("precision.stochastic_rounding=true runs torchao's AdamW: "
                               f"optimizer.implementation={self.implementation} must be default")
             if not _installed("torchao"):
-                raise Invalid("precision.stochastic_rounding=true needs torchao: pip install 'ablate[ao]'")
+                raise Invalid("precision.stochastic_rounding=true needs torchao: pip install torchao")
         self._round_stochastically = plan.stochastic_rounding
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
@@ -240,7 +240,7 @@ class AdamW8bit(TorchOptimizer):
     def check(self, plan: Plan) -> None:
         super().check(plan)
         if not _installed("bitsandbytes"):
-            raise Invalid("optimizer=adamw8bit needs bitsandbytes: pip install 'ablate[bnb]'")
+            raise Invalid("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes")
 
     def check_values(self) -> None:
         """Left to bitsandbytes in the worker: importing it would cost the job process seconds."""

@@ -125,7 +125,7 @@ class FP8(BF16):
         super().check(plan)
         require_fp8_gpu(plan, "precision=fp8")
         if importlib.util.find_spec("torchao") is None:
-            raise Invalid("precision=fp8 needs torchao: pip install 'ablate[ao]'")
+            raise Invalid("precision=fp8 needs torchao: pip install torchao")
 
     def convert(self, model: nn.Module, adapter) -> nn.Module:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -5,7 +5,10 @@
 # slurmctld and slurmd, and waits until the node is idle. Idempotent: when the cluster is already
 # up it only prints the environment, in well under a second.
 #
-#   eval "$(sudo scripts/slurm/start.sh)"    # stdout is only `export` lines; progress goes to stderr
+#   eval "$(scripts/slurm/start.sh)"         # as root; or eval "$(sudo scripts/slurm/start.sh)"
+#
+# stdout is only `export` lines (progress goes to stderr), or, when the start fails, `false`: a
+# failing command inside $(...) does not fail the `eval` around it, so the line it evaluates must.
 #
 # ABLATE_SLURM_DIR (default /tmp/ablate-slurm) holds slurm.conf, state, logs and the job completion
 # file (jobcomp/filetxt). There is no accounting database: scripts/slurm/bin/sacct answers the
@@ -20,7 +23,8 @@ export PATH=$PATH:/usr/sbin:/sbin
 NODE=$(hostname -s)
 
 say() { echo "slurm/start.sh: $*" >&2; }
-die() { say "$*"; exit 1; }
+die() { say "$*"; echo false; exit 1; }
+trap 'echo false' ERR  # any other failure (set -e) likewise: the caller's eval fails too
 alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 node_state() { timeout 10 sinfo -h -n "$NODE" -o %t 2>/dev/null | head -1 || true; }
 print_env() {
@@ -42,6 +46,7 @@ if alive "$DIR/slurmctld.pid" && alive "$DIR/slurmd.pid" && [[ $(node_state) =~ 
 fi
 
 [[ $(id -u) == 0 ]] || die "run me as root (sudo): I install packages and start munged, slurmctld and slurmd"
+[[ ! -e $DIR || -O $DIR ]] || die "$DIR belongs to another user; set ABLATE_SLURM_DIR"
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sbatch >/dev/null \
    || ! command -v munged >/dev/null; then
@@ -52,7 +57,6 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >&2
 fi
 
-[[ ! -e $DIR || -O $DIR ]] || die "$DIR belongs to another user; set ABLATE_SLURM_DIR"
 mkdir -p "$DIR/state" "$DIR/spool"
 chmod 755 "$DIR"  # users other than root read slurm.conf
 
