@@ -6,6 +6,7 @@ model.safetensors (or shards listed in model.safetensors.index.json).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -56,6 +57,14 @@ class GPT2(Family):
 
     def build(self) -> nn.Module:
         return GPT(self.config)
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.n_layer
+
+    def with_layers(self, n: int) -> nn.Module:
+        """Every block is the same Block of the same config: n of them stand for any number."""
+        return GPT(dataclasses.replace(self.config, n_layer=n))
 
     def load_weights(self, model: nn.Module) -> None:
         if self.init_from:

@@ -12,6 +12,7 @@ attention and MLP the layer's children of those kinds, the LM head and the token
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,11 @@ _IGNORED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype"
 # Others scale or cap their logits after the head (Gemma's softcapping, Cohere's logit_scale,
 # Granite's logits_scaling), so the chunked loss would be another loss for them.
 PLAIN_HEAD = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2")
+# Families whose decoder layers are all built alike from the config (no per-layer sizes, no switch
+# from dense to mixture-of-experts MLPs at some index), so that a sample of two layers stands for
+# all of them (Family.layout): counting and the analytic predictor then build two layers, not all.
+# Any other family is built whole.
+UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2")
 
 
 def _transformers():
@@ -172,13 +178,35 @@ class HFCausalLM(Family):
 
     @property
     def adapter(self) -> Adapter:
-        return find_adapter(self.meta_model)
+        # Paths and classes are the same at any layer count: read from one layer where a sample can be built.
+        sample = self.sample(1)
+        return find_adapter(self.meta_model if sample is None else sample)
 
     def build(self) -> nn.Module:
+        return self._build(self.hf_config)
+
+    def _build(self, config) -> CausalLM:
         tf = _transformers()
-        lm = tf.AutoModelForCausalLM.from_config(self.hf_config, attn_implementation=self.attn_implementation,
+        lm = tf.AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
                                                  dtype=torch.get_default_dtype())
         return CausalLM(lm)
+
+    @property
+    def n_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    def with_layers(self, n: int) -> CausalLM | None:
+        """The config with n layers: its per-layer attention kinds (Qwen2's `layer_types`) cut to
+        n where they are all one kind; None for a family not in UNIFORM_LAYERS, or whose layers
+        are of more than one kind."""
+        kinds = getattr(self.hf_config, "layer_types", None)
+        if self.hf_config.model_type not in UNIFORM_LAYERS or len(set(kinds or ())) > 1:
+            return None
+        config = copy.deepcopy(self.hf_config)
+        config.num_hidden_layers = n
+        if kinds:
+            config.layer_types = list(kinds[:n])
+        return self._build(config)
 
     def load_weights(self, model: nn.Module) -> None:
         """Copy init_from's safetensors into `model` in place (any device, any dtype)."""

@@ -1,13 +1,14 @@
 """The analytic memory model: closed-form tensor sizes, played through one training step.
 
-Sizes come from the model family's parameter shapes (built on the meta device: nothing is
-allocated; names and layers found through its adapter) and from the activations each op saves
-for backward. Activations per transformer layer start from Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models"): s·b·h·(34 + 5·a·s/h) bytes in 16-bit with
-dropout. ablate's GPT has no dropout masks (p=0 returns its input) and uses SDPA, so no (s, s)
-score matrix is stored and the 5as/h term is gone: what a layer saves is 16·s·b·h elements plus
-LayerNorm statistics and SDPA's log-sum-exp, 32·s·b·h bytes in 16-bit where the paper counts 34
-with its two dropout masks. Each family's layer is described in ablate/predict/layers.py.
+Sizes come from the model family's parameter shapes (Family.layout: on the meta device, nothing
+allocated, read off a sample of two layers where the layers repeat; names and layers found through
+its adapter) and from the activations each op saves for backward. Activations per transformer layer
+start from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): s·b·h·(34 + 5·a·s/h) bytes in 16-bit with dropout. ablate's GPT has no dropout masks (p=0
+returns its input) and uses SDPA, so no (s, s) score matrix is stored and the 5as/h term is gone:
+what a layer saves is 16·s·b·h elements plus LayerNorm statistics and SDPA's log-sum-exp, 32·s·b·h
+bytes in 16-bit where the paper counts 34 with its two dropout masks. Each family's layer is
+described in ablate/predict/layers.py.
 
 Under FSDP2 (fully_shard) each rank holds dim-0 chunks of every parameter, padded to
 ceil(rows / world) rows, so rank 0's are the largest; its optimizer states take the same local
@@ -91,22 +92,19 @@ class Shapes:
 
 def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
     arch = arch_of(t.model)  # Unmodelled for a family without a layer model
-    model, a = t.model.meta_model, t.model.adapter  # shapes only: nothing is allocated
-    params = dict(model.named_parameters())  # a tied weight once, under its first name
-    layer_names: list[list[str]] = [[] for _ in range(arch.layers)]
-    prefix = a.layers + "."
-    for name in params:  # one pass: "<layers>.<i>.<rest>" -> layer i
-        if name.startswith(prefix):
-            layer_names[int(name[len(prefix):].split(".", 1)[0])].append(name)
-    inner = tuple(f"{prefix}0.{part}." for part in (a.attention, a.mlp))
-    groups = [[tuple(p.shape) for p in g["params"]] for g in t.optimizer.param_groups(model)]
+    # Names and shapes from the family's layout: for repeated layers read off a two-layer sample on
+    # the meta device, in the whole model's order, so the cost is linear in the layers (building all
+    # of them took ~2 ms each: 20 s at 10,000), and nothing is allocated.
+    layout, a = t.model.layout, t.model.adapter
+    shapes = layout.shapes  # a tied weight once, under its first name
+    inner = tuple(f"{layout.prefix}0.{part}." for part in (a.attention, a.mlp))
+    groups = [[shapes[n] for n in g] for g in t.model.param_groups(t.optimizer.param_groups)]
     lm_head = f"{a.lm_head}.weight"
     return Shapes(b=spec.batch_size // t.accumulation.steps, s=spec.seq_len, arch=arch,
-                  param_numels={n: p.numel() for n, p in params.items()},
-                  param_shapes={n: tuple(p.shape) for n, p in params.items()}, groups=groups,
-                  layer_names=layer_names, embedding=f"{a.embedding}.weight",
-                  lm_head=lm_head if lm_head in params else None,
-                  linear_names=[n for n in layer_names[0] if n.startswith(inner)])
+                  param_numels={n: math.prod(s) for n, s in shapes.items()}, param_shapes=shapes, groups=groups,
+                  layer_names=layout.layer_names, embedding=f"{a.embedding}.weight",
+                  lm_head=lm_head if lm_head in shapes else None,
+                  linear_names=[n for n in layout.layer_names[0] if n.startswith(inner)])
 
 
 def _local_shape(shape: tuple, world: int) -> tuple:
@@ -277,7 +275,7 @@ def _fp8_weights(t: Techniques) -> int:
     its backward keeps the fp32 weight itself). Not yet measured on a GPU."""
     if not isinstance(t.precision, FP8):
         return 0
-    layer = t.model.adapter.layer_list(t.model.meta_model)[0]
+    layer = t.model.adapter.layer_list(t.model.layout.model)[0]  # every layer's (a sample's layer 0 included)
     return sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear) and fp8_sized(m))
 
 
