@@ -146,7 +146,7 @@ SECTIONS = {"run_id": str, "status": str, "choices": dict, "config": dict, "over
             "metrics": dict, "prediction": dict, "env": dict, "timing": dict}
 RUN_KEYS = ("batch_size",)  # what every report table counts by: a whole number
 _NUMBER = (int, float)
-_STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": dict}
+_STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": list}
 
 
 def problem(obj) -> str | None:

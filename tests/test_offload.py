@@ -98,5 +98,5 @@ def test_optimizer_offload_without_a_working_torchao_says_why(monkeypatch):
     cuda = Plan(device="cuda", batch_size=8, seq_len=16)
     for name in ("torchao", "torchao.optim"):  # as if not installed, or built for another torch
         monkeypatch.setitem(sys.modules, name, None)
-    with pytest.raises(Invalid, match=r"^offload=optimizer needs torchao \(.*torchao.*\): pip install 'ablate\[ao\]'$"):
+    with pytest.raises(Invalid, match=r"^offload=optimizer needs torchao \(.*torchao.*\): pip install torchao$"):
         OptimizerState().check(cuda)

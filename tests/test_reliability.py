@@ -38,7 +38,9 @@ def _result_file(sweep) -> tuple:
 ])
 def test_the_validator_names_what_a_result_lacks(damage, why):
     good = results.make("abc", "ok", None, {"optimizer": "adamw"}, {"batch_size": 4}, [],
-                        metrics={"peak_allocated_mib": 10.0, "losses": [3.0]})
+                        metrics={"peak_allocated_mib": 10.0, "losses": [3.0], "breakdown_mib": {"params": 1.0},
+                                 "per_rank": [{"rank": 0}], "find_batch": [{"micro_batch": 8, "fits": True}],
+                                 "max_batch_size": 8})
     assert results.problem(good) is None
     assert why in results.problem(damage(good))
 
@@ -197,6 +199,9 @@ def test_a_missing_experiment_fails_composition_too():
     (["warmup_steps=1"], "warmup_steps=1 must be >= 2"),  # was: a CPU peak without the optimizer state
     (["model.n_layer=0"], "model.n_layer=0 must be >= 1"),
     (["model.n_head=0"], "model.n_head=0 must be >= 1"),
+    (["model.n_layer=999999999999"], "model.n_layer=999999999999 is more than 100,000 layers"),  # was: a stall
+    (["model=smollm2-135m", "model.config.num_hidden_layers=200000"],
+     "model.config.num_hidden_layers=200000 is more than 100,000 layers"),
     (["model=smollm2-135m", "model.config.num_hidden_layers=0"], "model.config.num_hidden_layers=0 must be >= 1"),
     (["model=smollm2-135m", "model.config.num_attention_heads=0"], "model.config.num_attention_heads=0 must be >= 1"),
 ])

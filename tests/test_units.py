@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -172,7 +173,9 @@ def test_event_reader_waits_for_complete_lines(tmp_path):
     writer.emit("phase", phase="init", x=float("inf"))
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('{"event": "prog')
-    assert reader.read_new() == [{"event": "phase", "rank": 0, "phase": "init", "x": None}]
+    (event,) = reader.read_new()
+    assert event.pop("t") == pytest.approx(time.time(), abs=60)  # when it was written: timing.phases_s
+    assert event == {"event": "phase", "rank": 0, "phase": "init", "x": None}
     with open(tmp_path / "events.jsonl", "a") as f:
         f.write('ress"}\n')
     assert reader.read_new() == [{"event": "progress"}]

@@ -64,6 +64,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 SAMPLED = 2  # layers a sample is built with: a second layer shows whether the first repeats
+# Deeper is refused: the predictor lists every layer's parameters (linear: 1 s per 10,000 layers on
+# a 2-core CPU), so model.n_layer=999999999999 would stall it for days; trained models have hundreds.
+MAX_LAYERS = 100_000
 
 
 def _repeat(names: list[str], prefix: str, n: int) -> list[tuple[str, str]] | None:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ablate.model import GPT, GPTConfig
-from ablate.models import Adapter, Family
+from ablate.models import MAX_LAYERS, Adapter, Family
 from ablate.techniques import Invalid, Plan
 
 ADAPTER = Adapter(layers="transformer.h", attention="attn", mlp="mlp", norms=(nn.LayerNorm,),
@@ -38,6 +38,8 @@ class GPT2(Family):
         for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
             if getattr(c, key) < 1:
                 raise Invalid(f"model.{key}={getattr(c, key)} must be >= 1")
+        if c.n_layer > MAX_LAYERS:
+            raise Invalid(f"model.n_layer={c.n_layer} is more than {MAX_LAYERS:,} layers")
         if c.n_embd % c.n_head:  # else the model's own assert fails inside a worker
             raise Invalid(f"model.n_embd={c.n_embd} is not divisible by model.n_head={c.n_head}")
         if plan.seq_len > c.block_size:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ablate.models import Adapter, Family, lm_loss
+from ablate.models import MAX_LAYERS, Adapter, Family, lm_loss
 from ablate.techniques import Invalid, Plan
 
 # config.json keys that are not the model's shape: transformers' own bookkeeping, and the dtype
@@ -154,6 +154,8 @@ class HFCausalLM(Family):
         for key in _SIZES:  # 0 layers would train an embedding alone
             if isinstance(getattr(c, key, None), int) and getattr(c, key) < 1:
                 raise Invalid(f"model.config.{key}={getattr(c, key)} must be >= 1")
+        if c.num_hidden_layers > MAX_LAYERS:
+            raise Invalid(f"model.config.num_hidden_layers={c.num_hidden_layers} is more than {MAX_LAYERS:,} layers")
         if plan.seq_len > self.max_seq_len:
             raise Invalid(f"seq_len={plan.seq_len} > model.config.max_position_embeddings={self.max_seq_len}")
         heads, hidden = getattr(c, "num_attention_heads", None), getattr(c, "hidden_size", None)
