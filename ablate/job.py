@@ -1,6 +1,6 @@
 """The job: one grid point's orchestrator, inside the Hydra process. It never touches CUDA itself.
 
-resolve config -> run_id -> skip if done -> validate -> launch the worker -> classify -> result.json
+resolve config -> run_id -> claim -> skip if done -> outcome (ablate/outcome.py) -> result.json
 """
 from __future__ import annotations
 
@@ -13,25 +13,22 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ablate import find_batch, results
-from ablate.build import check_config
+from ablate import results
 from ablate.claim import claimed
-from ablate.capacity import capacity_mib
 from ablate.console import Progress
-from ablate.predict import Prediction, predict
-from ablate.predict.timeline import Unmodelled
+from ablate.outcome import outcome_of
+from ablate.predict import Prediction
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
 from ablate.spec import RunSpec
-from ablate.techniques import Invalid
-from launch.local import Outcome, pass_on_stop, run_worker
-from launch.nvml import gpu_total_mib, visible_gpu_count
+from launch.local import pass_on_stop
+from launch.nvml import visible_gpu_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,119 +76,6 @@ def resolve_nproc(config: dict) -> None:
         gpus = visible_gpu_count() if config["device"] != "cpu" else 0
         if gpus or config["device"] != "cuda":
             parallel["nproc"] = gpus or 2
-
-
-def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
-    """Start the worker (or torchrun) on run_dir/spec.json: the resolved config it rebuilds the spec from."""
-    run_dir.mkdir(parents=True, exist_ok=True)  # find_batch probes run in subdirectories
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps({"config": spec.to_config(), "run_dir": str(run_dir), "overrides": overrides},
-                                    indent=2))
-    (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
-    results.clear_artifacts(run_dir)
-    parallel = spec.groups["parallel"]
-    distributed = not parallel["_target_"].endswith(".Single")  # the others run their ranks under torchrun
-    module = "launch.torchrun" if distributed else "ablate.worker"
-    world = parallel["nproc"] * parallel["nodes"] if distributed else 1
-    env = {"PYTORCH_CUDA_ALLOC_CONF": spec.alloc_conf} if spec.alloc_conf else {}
-    return run_worker([sys.executable, "-m", module, str(spec_path)], run_dir, spec.timeout_s,
-                      world_size=world, on_event=progress, env=env)
-
-
-def validate(spec: RunSpec) -> Outcome | None:
-    """An `invalid` outcome for a combination that cannot run; None if it can."""
-    if spec.groups["parallel"]["nproc"] == "auto":  # left so by resolve_nproc: device=cuda, no GPU here
-        return Outcome("invalid", "parallel.nproc=auto counts the GPUs in sight, and with device=cuda this "
-                                  "machine has none: give parallel.nproc=N, the GPUs per node to plan "
-                                  "(predict_only=true) or run for")
-    try:
-        check_config(spec)
-    except Exception as exc:  # Invalid, or an option rejecting its keys (instantiate's TypeError)
-        cause = exc.__cause__ or exc  # instantiate wraps what the option's constructor raised
-        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""  # a reason is one line
-        # An Invalid's message names its key itself; anything else at least names what was raised.
-        return Outcome("invalid", text if isinstance(cause, Invalid) else f"{type(cause).__name__}: {text}")
-    return None
-
-
-def run_once(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
-    """Validate, then run. An invalid combination never starts a worker."""
-    invalid = validate(spec)
-    if invalid:
-        return invalid
-    try:
-        return launch(spec, run_dir, overrides, progress)
-    except Exception as exc:  # our own failure to launch is still a row, never a lost point
-        return Outcome("error", f"launch failed: {type(exc).__name__}: {exc}")
-
-
-def predicted(spec: RunSpec) -> Prediction | None:
-    """The point's predicted memory; a method that fails falls back to the analytic model, one the
-    analytic model has no sizes for (a model family it does not describe) to the trace, and a
-    prediction that cannot be made is a warning, never a lost point."""
-    methods = [] if spec.predict == "none" else list(dict.fromkeys([spec.predict, "analytic"]))
-    if spec.device == "auto" and not spec.predict_only and not visible_gpu_count():
-        spec = spec.replace(device="cpu")  # this point is about to run here, on the CPU
-    for method in methods:
-        try:
-            return predict(spec, method)
-        except Unmodelled as exc:  # e.g. a model family it has no layer sizes for: the trace runs any
-            print(f"note: {exc}; predicting with predict=trace instead", file=sys.stderr)
-            if "trace" not in methods:
-                methods.append("trace")  # the loop reaches it next
-        except Exception as exc:  # e.g. an option the fake-tensor trace cannot follow
-            print(f"warning: predict={method} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return None
-
-
-def plan_outcome(prediction: Prediction | None, capacity: float | None) -> Outcome:
-    """A predict_only point: `predicted`, or, where a capacity is known (gpu_memory_gib, else this
-    machine's GPU) and the prediction does not fit it by find_batch's rule, an `oom` that never ran
-    (reason PRUNED, so a later real sweep measures it). One rule, so a plan's rows and its
-    find_batch answers agree, and a batch scan's plan stops where the run would."""
-    if prediction is None or find_batch.under_margin(prediction.peak_mib, capacity):
-        return Outcome("predicted", None)
-    room = capacity * (1 - find_batch.MARGIN)
-    return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB > {room:,.0f} MiB "
-                          f"({1 - find_batch.MARGIN:.0%} of {capacity:,.0f} MiB usable); not run (predict_only)")
-
-
-def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
-               progress: Progress) -> tuple[Outcome, Prediction | None]:
-    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search
-    (under predict_only, a search of predictions).
-
-    A batch search is pruned only when its smallest micro-batch is predicted not to fit, and its
-    prediction is of the micro-batch its row measures (the largest that fits), so that predicted
-    and measured peaks compare like with like."""
-    invalid = validate(spec)
-    if invalid:
-        return invalid, None
-    gpu_mib = gpu_total_mib() if spec.device != "cpu" else None
-    capacity = capacity_mib(spec.gpu_memory_gib, gpu_mib)
-    # A row no worker ran still names the card it was judged against (as a worker's env would).
-    judged = {"gpu_total_mib": gpu_mib,
-              "emulated_gpu_mib": spec.gpu_memory_gib * 1024 if spec.gpu_memory_gib else None}
-    if spec.predict_only and spec.find_batch:
-        outcome, prediction = find_batch.planned(spec, capacity, predicted)
-        return replace(outcome, env=judged), prediction
-    if spec.predict_only:
-        prediction = predicted(spec)
-        return replace(plan_outcome(prediction, capacity), env=judged), prediction
-    searched = spec.find_batch
-    prediction = predicted(spec.with_micro_batch(1) if searched else spec)  # 1 divides every batch
-    if spec.prune and prediction and capacity and prediction.peak_mib > capacity * (1 + spec.prune_margin):
-        at = " at micro-batch 1" if searched else ""
-        return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
-                              f"(+{spec.prune_margin:.0%} margin); not run", env=judged), prediction
-    if not searched:
-        return run_once(spec, run_dir, overrides, progress), prediction
-    outcome = find_batch.measured(spec, capacity, run_dir,
-                                  lambda probe, where: run_once(probe, where, overrides, progress))
-    best = outcome.metrics.get("max_batch_size")
-    if best and best > 1:
-        prediction = predicted(spec.with_micro_batch(best))
-    return outcome, prediction
 
 
 @dataclass

@@ -144,7 +144,7 @@ def _umask() -> int:
 # version, so an older file without it is still a result; a file missing any of these is not.
 SECTIONS = {"run_id": str, "status": str, "choices": dict, "config": dict, "overrides": list,
             "metrics": dict, "prediction": dict, "env": dict, "timing": dict}
-RUN_KEYS = ("batch_size",)  # what every report table counts by: a whole number
+WHOLE_KEYS = ("batch_size",)  # config keys every report table counts by: whole numbers
 _NUMBER = (int, float)
 _STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": list}
 
@@ -167,7 +167,7 @@ def problem(obj) -> str | None:
         return f"status {obj['status']!r} is not one of {', '.join(STATUSES)}"
     if not isinstance(obj["reason"], (str, type(None))):
         return f"reason is a {type(obj['reason']).__name__}, not a string"
-    bad = [k for k in RUN_KEYS if not isinstance(obj["config"].get(k), int) or isinstance(obj["config"][k], bool)]
+    bad = [k for k in WHOLE_KEYS if not isinstance(obj["config"].get(k), int) or isinstance(obj["config"][k], bool)]
     if bad:
         return "config." + ", config.".join(bad) + " missing or not a whole number"
     metrics = obj["metrics"]

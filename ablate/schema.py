@@ -153,13 +153,18 @@ def _chosen(group: str, overrides: list) -> list[str]:
         if o.key_or_group == group and not (o.is_add() or o.is_delete()):
             return [str(v) for v in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()])]
     experiments = [o.value() for o in overrides if o.key_or_group == "experiment" and not o.is_sweep_override()]
-    root = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
     for entry in option_defaults("experiment", experiments[0]).get("defaults", []) if experiments else []:
         if isinstance(entry, dict) and f"override /{group}" in entry:
             return [entry[f"override /{group}"]]
     if any(o.key_or_group == "experiment" for o in overrides):  # a sweep over experiments, or one whose
         return []  # ladder rungs may pick the option: not known before composition
-    return [entry[group] for entry in root["defaults"] if isinstance(entry, dict) and group in entry]
+    return [entry[group] for entry in _root_defaults() if isinstance(entry, dict) and group in entry]
+
+
+@functools.cache
+def _root_defaults() -> list:
+    """conf/config.yaml's defaults list: each group's default option."""
+    return OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))["defaults"]
 
 
 def _option_error(o, valid: list[str]) -> str | None:

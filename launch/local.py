@@ -178,11 +178,11 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
         follow()
     ended = time.time()
     outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
-    outcome.phases = phase_seconds(events, launched, ended)
     if stopped and outcome.status != "ok":
         name = signal.Signals(stopped[0]).name
         outcome = Outcome("timeout" if stopped[0] == signal.SIGUSR2 else "error",
                           f"the job received {name} (a time limit, scancel, preemption or kill); worker killed")
+    outcome.phases = phase_seconds(events, launched, ended)
     outcome.stopped_by = stopped[0] if stopped else None
     nvml = sampler.fields()
     outcome.env["driver"] = nvml.pop("driver")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ablate.data import Chars, Synthetic, Tokens
-from ablate.job import validate
+from ablate.outcome import validate
 from tests.helpers import compose_spec
 
 

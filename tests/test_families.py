@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 
 from ablate.build import check_config
-from ablate.job import validate
+from ablate.outcome import validate
 from ablate.models.hf import CausalLM
 from ablate.predict.analytic import analytic
 from ablate.spec import RunSpec
@@ -150,7 +150,7 @@ def test_hf_gpt2_and_ablates_gpt2_give_the_same_logits_for_the_same_weights(tmp_
 def test_a_family_the_analytic_model_does_not_describe_is_traced_and_says_so(tmp_path, capsys):
     from transformers import GPT2Config
 
-    from ablate.job import predicted
+    from ablate.outcome import predicted
 
     GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=64).save_pretrained(tmp_path)
     cfg = compose_config(["model=hf", f"model.config_path={tmp_path}", "data.vocab_size=128", "device=cpu",

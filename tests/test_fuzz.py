@@ -101,7 +101,8 @@ def _same(asked, got) -> bool:
 def before_the_worker(args: list[str]) -> tuple[str, object]:
     """What the CLI makes of `args` before any worker starts: ("error", message) for a command
     line it refuses, ("invalid", reason) for a row without a run, ("runs", config) otherwise."""
-    from ablate.job import resolve_alloc_conf, resolve_nproc, validate
+    from ablate.job import resolve_alloc_conf, resolve_nproc
+    from ablate.outcome import validate
     from ablate.spec import RunSpec
 
     error = unknown_key(args)

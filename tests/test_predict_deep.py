@@ -9,7 +9,7 @@ import pytest
 from hydra.utils import instantiate
 
 from ablate import model as gpt_model
-from ablate.job import validate
+from ablate.outcome import validate
 from ablate.models import ParamLayout
 from ablate.models.gpt import GPT2
 from ablate.models.hf import HFCausalLM

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -98,11 +99,20 @@ def test_a_claimed_point_waits_for_its_holder_and_says_who(tmp_path):
             sys.stdin.readline()
         """)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
-    heard = []
-    holder.stdin.close()  # the holder lets go; a waiter gets the claim then, not before
-    with claimed(lock, heard.append):
-        assert holder.wait(timeout=30) == 0
-    assert not heard or heard[0].startswith(f"waiting: this point is being run by pid {holder.pid} on ")
+    heard, got = [], threading.Event()
+
+    def wait_for_it():
+        with claimed(lock, heard.append):
+            got.set()
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    assert not got.wait(timeout=2)  # held: the waiter waits, having said for whom
+    assert heard and heard[0].startswith(f"waiting: this point is being run by pid {holder.pid} on ")
+    holder.stdin.close()  # the holder lets go; the waiter gets the claim then
+    assert holder.wait(timeout=30) == 0
+    waiter.join(timeout=30)
+    assert got.is_set()
 
 
 def test_a_dead_holders_claim_is_free(tmp_path):

@@ -151,8 +151,10 @@ class HFCausalLM(Family):
 
     def check(self, plan: Plan) -> None:
         c = self.hf_config
-        for key in _SIZES:  # 0 layers would train an embedding alone
-            if isinstance(getattr(c, key, None), int) and getattr(c, key) < 1:
+        # Again on the built config: a family's own names for the sizes (HF GPT-2's n_layer) reach
+        # these only through its attribute_map.
+        for key in _SIZES:
+            if isinstance(getattr(c, key, None), int) and getattr(c, key) < 1:  # 0 layers: an embedding alone
                 raise Invalid(f"model.config.{key}={getattr(c, key)} must be >= 1")
         if c.num_hidden_layers > MAX_LAYERS:
             raise Invalid(f"model.config.num_hidden_layers={c.num_hidden_layers} is more than {MAX_LAYERS:,} layers")
