@@ -186,7 +186,9 @@ def run_claimed(point: Point, progress: Progress) -> dict:
         path, result = found
         if path != result_path.resolve():  # this sweep's directory gets the earlier result too,
             # placed at this sweep's rung (a run key outside run_id: the same point in another ladder)
-            result = {**result, "config": {**result["config"], "rung": point.config["rung"]}}
+            # and says where it came from: the report marks a row measured elsewhere as reused
+            result = {**result, "config": {**result["config"], "rung": point.config["rung"]},
+                      "reused_from": str(path)}
             link_artifacts(result, path.parent, result_path.parent)
             point.write(result, index=False)
         progress.done(result, str(path), skipped=True)

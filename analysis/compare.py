@@ -1,5 +1,6 @@
 """What a report compares: the columns that vary between runs (they name each row), each group's
-reference option, and the baseline row every delta is taken against (one per model)."""
+reference option, the families of runs that compare, and the baseline row every delta is taken
+against (one per family)."""
 from __future__ import annotations
 
 import pandas as pd
@@ -110,29 +111,60 @@ def _matching(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]) -> 
     return match
 
 
-def by_model(df: pd.DataFrame, labels: list[str]) -> list[tuple[str | None, pd.DataFrame, list[str]]]:
-    """(model, its runs, the labels that vary within them) per model, in the order the models first
-    appear: a delta between two models says nothing about a technique. One part (model None, the
-    labels as given) when only one model ran."""
-    if "model" not in df or df["model"].nunique() <= 1:
+# Columns whose values stay comparable in one table whatever the sweep: the techniques (the
+# groups with a do-nothing option and their option keys, run keys with an off value), the batch
+# (the batch table's axis), the seed (a repeat), and the steps outside the measured ones. Any
+# other column that differs between runs (the model's shape, seq_len, steps, the device) splits
+# them into families, unless a sweep varied it.
+COMPARABLE = (*OFF_KEYS, "batch_size", "seed", "warmup_steps", "eval_steps")
+
+
+def comparable(col: str) -> bool:
+    return col.split(".")[0] in BASELINE or col in COMPARABLE
+
+
+def family_keys(df: pd.DataFrame, cols: list[str]) -> list[str]:
+    """The columns among `cols` (the varied ones) that split runs into families: not a technique,
+    and not an axis some sweep varied within itself (`seq_len=256,512` asks for that comparison).
+    `model` always does: a delta between two models says nothing about a technique."""
+    swept = set()
+    if "sweep" in df:
+        for _, part in df.groupby("sweep", sort=False):
+            swept |= {c for c in cols if varies(part[c])}
+    return [c for c in cols if (c == "model" or not (comparable(c) or c in swept)) and c in df and varies(df[c])]
+
+
+def families(df: pd.DataFrame, labels: list[str], cols: list[str] | None = None
+             ) -> list[tuple[str | None, pd.DataFrame, list[str]]]:
+    """(title, its runs, the labels that vary within them) per family of comparable runs, in the
+    order the families first appear; the title names what the family holds fixed ("model=gpt2,
+    seq_len=64"). One part (title None, the labels as given) when all runs compare. `cols`: the
+    columns that vary between runs (default: varied(df))."""
+    keys = family_keys(df, varied(df) if cols is None else cols)
+    if not keys:
         return [(None, df, labels)]
     parts = []
-    for model in df["model"].unique():
-        part = df[df["model"] == model]
-        rest = [c for c in labels if c != "model"]
-        parts.append((model, part, [c for c in rest if varies(part[c])] or rest or labels))
+    for key, part in df[keys].fillna("").astype(str).groupby(keys, sort=False):
+        part = df.loc[part.index]
+        title = ", ".join(f"{c}={v}" for c, v in zip(keys, key) if v != "")
+        rest = [c for c in labels if c not in keys]
+        parts.append((title, part, [c for c in rest if varies(part[c])] or rest or labels))
     return parts
 
 
-def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None) -> pd.Series:
-    """Each row's baseline row (an index of df): one per model. `--baseline` picks it in every
-    model that has a matching run, and must match some run."""
+by_model = families  # the name analysis/plots.py knew it by
+
+
+def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None,
+              cols: list[str] | None = None) -> pd.Series:
+    """Each row's baseline row (an index of df): one per family (families()). `--baseline` picks it
+    in every family that has a matching run, and must match some run."""
     if baseline:
         _matching(df, labels, baseline)  # raises if no run at all matches
     out = pd.Series(0, index=df.index)
-    for _, part, part_labels in by_model(df, labels):
+    for _, part, part_labels in families(df, labels, cols):
         try:
             out[part.index] = baseline_index(part, part_labels, baseline)
-        except ValueError:  # this model has no run like that: its own default baseline
+        except ValueError:  # this family has no run like that: its own default baseline
             out[part.index] = baseline_index(part, part_labels, None)
     return out

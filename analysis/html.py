@@ -25,6 +25,8 @@ body { margin: 0; color: var(--fg); background: #fff; line-height: 1.45;
   font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
 header { padding: 20px 32px 14px; border-bottom: 1px solid var(--line); background: var(--head); }
 header h1 { margin: 0; font-size: 1.6em; font-weight: 600; }
+header p.about { margin: 4px 0 0; color: var(--muted); font-size: 0.9em; }
+code { font: 0.92em ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
 main { padding: 8px 32px 40px; max-width: 1400px; }
 h2 { margin: 28px 0 10px; font-size: 1.2em; font-weight: 600; }
 .scroll { display: inline-block; max-width: 100%; overflow-x: auto; vertical-align: top;
@@ -118,8 +120,16 @@ def figure_html(image: Path) -> str:
             f"<figcaption>{stem}</figcaption></figure>")
 
 
-def page(title: str, sections: list[Section], images: list[Path]) -> str:
-    """One HTML5 document: header, each section as <h2> + table + note, then the figures."""
+def _about(name: str, value: str) -> str:
+    """One line under the title: "<b>Device:</b> CPU", a `command` as <code>."""
+    value = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(value))
+    return f'<p class="about">{f"<b>{html.escape(name)}:</b> " if name else ""}{value}</p>'
+
+
+def page(title: str, sections: list[Section], images: list[Path], about: list[tuple[str, str]] = ()) -> str:
+    """One HTML5 document: header (the title and the `about` lines: (name, value), a value in
+    backticks as code), each section as <h2> + table + note, then the figures."""
+    lines = "".join(_about(name, value) for name, value in about)
     parts = []
     for s in sections:
         parts += [f"<section>\n<h2>{html.escape(s.title)}</h2>", table_html(s.table)]
@@ -135,7 +145,7 @@ def page(title: str, sections: list[Section], images: list[Path]) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">\n'
             f"<title>{html.escape(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
-            f"<header><h1>{html.escape(title)}</h1></header>\n<main>\n{body}\n</main>\n</body>\n</html>\n")
+            f"<header><h1>{html.escape(title)}</h1>{lines}</header>\n<main>\n{body}\n</main>\n</body>\n</html>\n")
 
 
 def write(path: str | Path, text: str) -> Path:

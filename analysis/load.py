@@ -1,10 +1,13 @@
 """Load every result.json below some paths into one pandas DataFrame: one row per run."""
 from __future__ import annotations
 
+import functools
+import shlex
 import sys
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from ablate import results
 from ablate.results import ARTIFACTS, RESULT_FILE
@@ -46,9 +49,32 @@ def _row(result: dict, path: Path) -> dict:
         row.update({f"{prefix}_{k}_mib": v for k, v in (parts or {}).items()})
     row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})
     row["finished_at"] = (result.get("timing") or {}).get("finished_at")
+    row["reused_from"] = result.get("reused_from")  # a skipped point's copy of a result measured elsewhere
+    row["sweep"], row["command"] = origin(path, result.get("overrides") or [])
     named = result.get("artifacts") or {}  # relative to result.json's directory; older results have none
     row.update({f"artifact_{k}": str(path.parent / named[k]) if named.get(k) else None for k in ARTIFACTS})
     return row
+
+
+def origin(path: Path, overrides: list) -> tuple[str, str]:
+    """(the sweep a result belongs to, the command that made it). A multirun's results lie one
+    directory below the sweep's multirun.yaml, whose task overrides are the sweep's own command line
+    (`optimizer=adamw,sgd`); any other result (a single run, a copied file) is a sweep of its own."""
+    sweep = path.parent.parent
+    task = _sweep_task(sweep) if (sweep / "multirun.yaml").is_file() else None
+    if task is None:
+        return str(path.parent), shlex.join(["python", "-m", "ablate", *map(str, overrides)])
+    return str(sweep), shlex.join(["python", "-m", "ablate", "-m", *task])
+
+
+@functools.cache
+def _sweep_task(sweep: Path) -> list[str] | None:
+    """multirun.yaml's hydra.overrides.task, read once per sweep (None: unreadable)."""
+    try:
+        task = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["overrides"]["task"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return [str(t) for t in task] if isinstance(task, list) else None
 
 
 def text(value) -> str:
@@ -69,5 +95,8 @@ def load(paths: list[str | Path]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    df = df.sort_values("finished_at", na_position="first").drop_duplicates("run_id", keep="last")
+    # the newest of each run_id; of a result and its reused copies, the one measured here
+    df = df.assign(_copy=df["reused_from"].notna()).sort_values(["finished_at", "_copy"], ascending=[True, False],
+                                                                 na_position="first", kind="stable")
+    df = df.drop_duplicates("run_id", keep="last").drop(columns="_copy")
     return df.reset_index(drop=True)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from ablate.results import STATUSES
-from analysis import compare, tables
+from analysis import cells, compare, provenance, tables
 from analysis.load import load
 
 TABLES = ("setting", "batch", "full")
@@ -29,18 +30,19 @@ def _parse_baseline(text: str | None) -> dict[str, str] | None:
 
 
 def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple[str, ...],
-             ladder: bool) -> list[tuple[str, pd.DataFrame]]:
+             ladder: bool, families: list) -> list[tuple[str, pd.DataFrame]]:
     """(title, table) in reading order. `bases`: each row's baseline row (compare.baselines); the
-    setting table comes once per model, labelled by what varies within it (compare.by_model)."""
+    setting and batch tables come once per family of comparable runs (compare.families), titled by
+    what the family holds fixed."""
     out = []
-    if "setting" in which and ladder:
-        out.append(("Setting (ladder)", tables.setting(df, labels, bases.iloc[0], ladder=True)))
-    elif "setting" in which:
-        for model, part, part_labels in compare.by_model(df, labels):
-            title = "Setting" + (f": model={model}" if model is not None else "")
-            out.append((title, tables.setting(part, part_labels, bases[part.index[0]])))
-    if "batch" in which and "batch_size" in labels:
-        out += [(f"Batch size scan: {title}", t) for title, t in tables.batch(df, labels).items()]
+    for title, part, part_labels in families:
+        suffix = f": {title}" if title else ""
+        if "setting" in which:
+            heading = "Setting (ladder)" if ladder else "Setting"
+            out.append((heading + suffix, tables.setting(part, part_labels, bases[part.index[0]], ladder=ladder)))
+        if "batch" in which and "batch_size" in part_labels:
+            out += [(f"Batch size scan{suffix}: {t}" if title else f"Batch size scan: {t}", table)
+                    for t, table in tables.batch(part, part_labels).items()]
     if "full" in which:
         out.append(("All runs", tables.full(df, labels, bases)))
         effects = tables.marginal(df, labels)
@@ -55,23 +57,23 @@ def markdown(table: pd.DataFrame, labels: list[str]) -> str:
     return table.to_markdown(index=False, colalign=align, disable_numparse=True)
 
 
-def render(title: str, parts: list[tuple[str, pd.DataFrame]], labels: list[str], images: list[Path],
-           notes: dict[str, str] | None = None) -> str:
-    """The Markdown report; `notes`: a line under the table of that heading."""
-    text = [f"# {title}", ""]
+def render(title: str, about: list[str], parts: list[tuple[str, pd.DataFrame]], labels: list[str],
+           images: list[Path], notes: dict[str, str], footnote: str) -> str:
+    """The Markdown report: the title, what it is of (`about` lines), each table with the note of
+    its heading (`notes`), the units (`footnote`) and the plots."""
+    text = [f"# {title}", "", *about, ""]
     for heading, table in parts:
         text += [f"## {heading}", "", markdown(table, labels), ""]
-        if (notes or {}).get(heading):
+        if notes.get(heading):
             text += [notes[heading], ""]
-    text += [tables.FOOTNOTE, ""]
+    text += [footnote, ""]
     text += [f"![{p.stem}]({p.name})" for p in images]
     return "\n".join(text) + "\n"
 
 
-def run_labels(df: pd.DataFrame, by: list[str] | None) -> list[str]:
-    """The columns that name a run: --by's, else every varied one. Names on stderr any varied
-    column --by leaves out; ValueError for a column that does not exist."""
-    varied = compare.varied(df)  # a pass over the rows per option key: once
+def run_labels(df: pd.DataFrame, by: list[str] | None, varied: list[str]) -> list[str]:
+    """The columns that name a run: --by's, else every varied one (compare.varied). Names on stderr
+    any varied column --by leaves out; ValueError for a column that does not exist."""
     labels = list(dict.fromkeys(by)) if by else varied  # `--by seed seed`: one seed column
     unknown = [c for c in labels if c not in df]
     if unknown:
@@ -93,6 +95,18 @@ def in_reading_order(df: pd.DataFrame, labels: list[str], ladder: bool) -> pd.Da
     elif ladder:
         df = df.sort_values("finished_at", kind="stable")
     return df.reset_index(drop=True)
+
+
+def is_ladder(families: list) -> bool:
+    """Whether each family's rows, in reading order, add to the row above (a ladder); says on stderr
+    why not where a row drops what the row above had: `--ladder` would label it "+ X − Y"."""
+    for _, part, part_labels in families:
+        why = tables.not_a_ladder(part, part_labels)
+        if why:
+            print(f"--ladder: these runs are not a ladder ({why}); each row is compared with the baseline "
+                  f"instead", file=sys.stderr)
+            return False
+    return True
 
 
 def title(df: pd.DataFrame) -> str:
@@ -129,48 +143,76 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no result.json found under {' '.join(args.paths)}", file=sys.stderr)
         return 1
     try:
-        labels = run_labels(df, args.by)
-        df = in_reading_order(df, labels, args.ladder)
-        bases = (pd.Series(df.index[0], index=df.index) if args.ladder  # a ladder's first rung
-                 else compare.baselines(df, labels, _parse_baseline(args.baseline)))
+        view = compare_runs(df, args)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     first = Path(args.paths[0])
     out = Path(args.out) if args.out else (first.parent if first.is_file() else first) / "report"
     try:
-        return write_report(df, labels, bases, args, out)
+        return write_report(view, args, out)
     except OSError as exc:  # --out unwritable, a full disk: one line, not a traceback
         print(f"cannot write the report to {out}: {exc.strerror or exc} ({exc.filename or out})", file=sys.stderr)
         return 1
 
 
-def write_report(df: pd.DataFrame, labels: list[str], bases: pd.Series, args: argparse.Namespace, out: Path) -> int:
+@dataclass
+class View:
+    """The runs as the report compares them."""
+    df: pd.DataFrame  # in reading order, index 0..n-1
+    labels: list[str]  # the columns that name a run
+    families: list  # compare.families: (title, runs, labels) per family of comparable runs
+    bases: pd.Series  # each row's baseline row
+    ladder: bool  # rows add to the row above (--ladder, where they do)
+    about: list[tuple[str, str]]  # provenance.about, and the families line under it
+
+    @property
+    def title(self) -> str:
+        return title(self.df)
+
+
+def compare_runs(df: pd.DataFrame, args: argparse.Namespace) -> View:
+    """Labels, families, baselines: ValueError for a --by or --baseline that names nothing."""
+    varied = compare.varied(df)  # a pass over the rows per option key: once
+    labels = run_labels(df, args.by, varied)
+    df = in_reading_order(df, labels, args.ladder)
+    families = compare.families(df, labels, varied)
+    ladder = args.ladder and is_ladder(families)
+    bases = (pd.concat([pd.Series(part.index[0], index=part.index) for _, part, _ in families]).loc[df.index]
+             if ladder else compare.baselines(df, labels, _parse_baseline(args.baseline), varied))
+    split = provenance.families_line([t for t, _, _ in families], compare.family_keys(df, varied))
+    return View(df, labels, families, bases, ladder, provenance.about(df) + ([("", split)] if split else []))
+
+
+def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
     """The files under `out` and the chosen format on stdout."""
     out.mkdir(parents=True, exist_ok=True)
     from analysis.plots import all_plots  # matplotlib only when plotting
     from analysis.where import SNAPSHOT_NOTE, snapshot_table
 
-    images = all_plots(df, labels, out)
-    parts = sections(df, labels, bases, tuple(args.table or TABLES), args.ladder)
+    df, labels = view.df, view.labels
+    images = all_plots(df, labels, out)  # TODO bases once plots take them
+    parts = sections(df, labels, view.bases, tuple(args.table or TABLES), view.ladder, view.families)
     snapshots, notes = snapshot_table(df, labels, out), {}
     if not snapshots.empty:  # CUDA runs: their allocator snapshots, linked
         parts.append(("Memory snapshots", snapshots))
         notes["Memory snapshots"] = SNAPSHOT_NOTE
-    text = render(title(df), parts, labels, images, notes)
+    footnote = cells.footnote(cells.on_cpu(df))
+    about = [f"- {name}: {value}" if name else f"\n{value}" for name, value in view.about]
+    text = render(view.title, about, parts, labels, images, notes, footnote)
     (out / "report.md").write_text(text)
     df.to_csv(out / "runs.csv", index=False)
     if args.format == "html":
         from analysis.html import Section, page, write
 
         # the units, once, under the first table; a section's own note under it
-        footnotes = [notes.get(t) or (tables.FOOTNOTE if i == 0 else "") for i, (t, _) in enumerate(parts)]
-        html = page(title(df),
-                    [Section(t, tab, note) for (t, tab), note in zip(parts, footnotes)], images)
+        footnotes = [notes.get(t) or (footnote if i == 0 else "") for i, (t, _) in enumerate(parts)]
+        html = page(view.title, [Section(t, tab, note) for (t, tab), note in zip(parts, footnotes)], images,
+                    about=view.about)
         write(out / "report.html", html)
         print(html)
     elif args.format == "csv":
-        tables.full(df, labels, bases).to_csv(sys.stdout, index=False)
+        tables.full(df, labels, view.bases).to_csv(sys.stdout, index=False)
     else:
         print(text)
     print(f"wrote {out}/report.md, runs.csv{', report.html' if args.format == 'html' else ''} and "

@@ -6,8 +6,9 @@ import math
 
 import pandas as pd
 
-from ablate.results import not_run, predicted_oom
 from ablate.schema import GROUPS
+from analysis.cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
+                            spread, time_delta, within_noise)
 from analysis.compare import BASELINE, do_nothing, set_away_from_default
 
 NAMES = {
@@ -34,50 +35,6 @@ NAMES = {
 # Groups whose do-nothing option is the absence of a technique: leaving one is a removal. An
 # optimizer or precision is always some option, so a row on another one reads "+ AdamW", a swap.
 REMOVABLE = ("accumulation", "checkpoint", "offload", "parallel", "loss")
-MEMORY = "peak_allocated_mib"
-FOOTNOTE = ("GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
-            "training (on CPU, the peak of live tensor bytes traced by torch's MemTracker); MiB = 2^20 bytes. "
-            "Reserved adds cached free blocks; NVML is what the driver sees (CUDA context included). "
-            "Iteration time: median of the measured steps. Training latency: all measured steps.")
-
-
-def num(value, fmt: str, unit: str = "") -> str:
-    """A rounded number, or "" when it was not measured."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return ""
-    return f"{value:{fmt}}{unit}"
-
-
-def mib(value) -> str:
-    """Memory as published tables print it: whole MiB, one decimal below 100 MiB (CPU-sized runs)."""
-    return num(value, ",.0f" if value is not None and not pd.isna(value) and value >= 100 else ".1f")
-
-
-def delta(value, base) -> str:
-    """Signed change in percent: "+12.3%"."""
-    if value is None or base is None or pd.isna(value) or pd.isna(base) or not base:
-        return ""
-    return f"{100 * (value - base) / base:+.1f}%"
-
-
-def filled(table: pd.DataFrame, keep: list[str]) -> pd.DataFrame:
-    """`table` less the columns (other than `keep`) that no row has a value in: they say nothing."""
-    return table[[c for c in table if c in keep or table[c].astype(bool).any()]]
-
-
-def failed(row: pd.Series) -> str:
-    """The cell a failed (or only predicted) run shows where a number would be. An OOM that was
-    only predicted (prune, or a plan with a capacity) says so: it never ran out of anything."""
-    predicted = row.get("predicted_peak_mib")
-    if row["status"] == "predicted" and pd.notna(predicted):
-        return f"~{predicted:,.0f} (predicted)"
-    if predicted_oom(row) and pd.notna(predicted):
-        return f"OOM (predicted ~{predicted:,.0f})"
-    if not_run(row):  # a ladder stopped before it: it never ran out of anything either
-        return "not run"
-    return "OOM" if row["status"] == "oom" else row["status"]
-
-
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'.
     A baseline away from a varied group's do-nothing option says so, 'Baseline (batch size = 8):
@@ -137,6 +94,18 @@ def _implied(row: pd.Series, base: pd.Series, col: str) -> bool:
     return other_option and not set_away_from_default(row, col)
 
 
+def not_a_ladder(df: pd.DataFrame, labels: list[str]) -> str | None:
+    """Why these rows, in this order, are not a ladder (each adds to the row above), or None. A row
+    that drops what the row above had ("− Block recompute") is a variant of a common base: a preset
+    with `cumulative: false`, or a grid."""
+    rows = [row for _, row in df.iterrows()]
+    for above, row in zip(rows, rows[1:]):
+        dropped = [c[2:] for c in changes(row, above, labels) if c.startswith("− ")]
+        if dropped:
+            return f"'{setting_label(row, above, labels)}' drops {dropped[0]}, which the row above has"
+    return None
+
+
 def memory_delta(row: pd.Series, base: pd.Series) -> str:
     """Δ peak memory against `base` (the baseline, or a ladder's previous row): measured against
     measured, or, for a plan made with predict_only, predicted against predicted ("~-46.8%");
@@ -152,7 +121,7 @@ def memory_delta(row: pd.Series, base: pd.Series) -> str:
 def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = False) -> pd.DataFrame:
     """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row), less
     the columns that no row has a value in."""
-    base = df.loc[base_i]
+    base, memory = df.loc[base_i], memory_heading(df)
     if not ladder:  # published tables open with the baseline, then one change, then two...; a ladder keeps its order
         rest = sorted(df.index.drop(base_i), key=lambda i: len(changes(df.loc[i], base, labels)))  # stable
         df = df.loc[[base_i, *rest]]
@@ -163,21 +132,21 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
         # A ladder's row names what it adds to the row above; otherwise what differs from the baseline.
         ref = prev_any if ladder and prev_any is not None else base
         label = setting_label(row, ref, labels) if row.name != base.name else setting_label(row, base, labels)
-        out = {"Setting": label,
-               "GPU Memory Peak (MiB)": mib(row[MEMORY]) if ok else failed(row),
+        out = {"Setting": label + (" (reused)" if pd.notna(row.get("reused_from")) else ""),
+               memory: mib(row[MEMORY]) if ok else failed(row),
                "Training Latency (s)": num(row["train_latency_s"], ".2f") if ok else "",
+               "Iteration p10–p90 (ms)": spread(row) if ok else "",
                "Δ memory vs baseline": memory_delta(row, base),
-               "Δ time vs baseline": delta(row["train_latency_s"], base["train_latency_s"]) if ok else ""}
+               "Δ time vs baseline": time_delta(row, base) if ok else ""}
         if ladder:
             last = prev.get(row["status"])
             out["Δ memory vs previous"] = memory_delta(row, last) if last is not None else ""
-            out["Δ time vs previous"] = (delta(row["train_latency_s"], last["train_latency_s"])
-                                         if ok and last is not None else "")
+            out["Δ time vs previous"] = time_delta(row, last) if ok and last is not None else ""
         rows.append(out)
         if row["status"] in ("ok", "predicted"):
             prev[row["status"]] = row
         prev_any = row
-    return filled(pd.DataFrame(rows), keep=["Setting", "GPU Memory Peak (MiB)"])  # a plan has no latencies
+    return filled(pd.DataFrame(rows), keep=["Setting", memory])  # a plan has no latencies
 
 
 def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
@@ -190,14 +159,17 @@ def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
         key = key if isinstance(key, tuple) else (key,)
         title = ", ".join(f"{c}={v}" for c, v in zip(others, key) if pd.notna(v)) or "all runs"  # null: unset
         rows = []
-        for _, row in part.sort_values("batch_size").iterrows():
+        part = part.sort_values("batch_size")
+        rate, rates = flops(part["tflops"].where(part["status"] == "ok"))
+        for (_, row), flop_rate in zip(part.iterrows(), rates):
             ok = row["status"] == "ok"
             util = (f"{row['gpu_util_pct_mean']:.1f} +/- {row['gpu_util_pct_std']:.1f}"
                     if ok and pd.notna(row.get("gpu_util_pct_mean")) and pd.notna(row.get("gpu_util_pct_std")) else "")
             rows.append({"Batch Size": str(row["batch_size"]),
                          "Memory (MiB)": mib(row[MEMORY]) if ok else failed(row),
-                         "GPU Usage %": util, "TFLOP/s": num(row["tflops"], ".2f") if ok else "",
-                         "Iteration Time (ms)": num(row["iter_time_ms"], ".2f") if ok else ""})
+                         "GPU Usage %": util, rate: flop_rate,
+                         "Iteration Time (ms)": num(row["iter_time_ms"], ".2f") if ok else "",
+                         "p10–p90 (ms)": spread(row) if ok else ""})
             if row["status"] == "oom":
                 break  # larger batches are OOM too: the first one says it
         tables[title] = filled(pd.DataFrame(rows), keep=["Batch Size", "Memory (MiB)"])  # a plan measured nothing
@@ -208,8 +180,8 @@ def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
 FULL = (
     (MEMORY, "Peak allocated (MiB)", ",.1f"), ("peak_reserved_mib", "Peak reserved (MiB)", ",.1f"),
     ("nvml_peak_mib", "NVML peak (MiB)", ",.1f"), ("host_peak_rss_mib", "Host RSS (MiB)", ",.0f"),
-    ("iter_time_ms", "Iteration p50 (ms)", ",.1f"), ("tokens_per_s", "Tokens/s", ",.0f"),
-    ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%"), ("loss_final", "Final loss", ".4f"),
+    ("iter_time_ms", "Iteration p50 (ms)", ",.1f"), ("iter_time_ms_p10", "Iteration p10–p90 (ms)", None),
+    ("tokens_per_s", "Tokens/s", ",.0f"), ("tflops", "TFLOP/s", ".2f"), ("mfu", "MFU", ".1%"), ("loss_final", "Final loss", ".4f"),
     ("eval_loss", "Eval loss", ".4f"),
 )
 
@@ -227,7 +199,13 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
         values = df[column] if column in df else pd.Series(float("nan"), index=df.index)
-        out[heading] = [num(v, fmt) if good else "" for v, good in zip(values, ok)]
+        if column == "tflops":
+            heading, cells = flops(values.where(ok))
+        elif column == "iter_time_ms_p10":
+            cells = [spread(row) for _, row in df.iterrows()]
+        else:
+            cells = [num(v, fmt) for v in values]
+        out[heading] = [c if good else "" for c, good in zip(cells, ok)]
         if column == MEMORY:  # the first metric column says how a failed run ended
             out.loc[~ok, heading] = [failed(r) for _, r in df[~ok].iterrows()]
     out["Δ loss vs baseline"] = [delta(v, b) if good else "" for v, b, good in zip(df["loss_final"], base_loss, ok)]
@@ -235,8 +213,9 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
         out["Predicted peak (MiB)"] = [num(v, ",.1f") for v in df["predicted_peak_mib"]]
         out["Prediction error"] = [delta(p, m) if good else "" for p, m, good
                                    in zip(df["predicted_peak_mib"], df[MEMORY], ok)]
-    out["Status"] = [f"{s}: {r}" if s != "ok" and isinstance(r, str) and r else s
-                     for s, r in zip(df["status"], df["reason"])]  # a predicted row has no reason
+    out["Status"] = [(f"{s}: {r}" if s != "ok" and isinstance(r, str) and r else s) + (" (reused)" if pd.notna(u) else "")
+                     for s, r, u in zip(df["status"], df["reason"], df["reused_from"] if "reused_from" in df
+                                        else [None] * len(df))]  # a predicted row has no reason
     # On a CPU no reserved, NVML or MFU; in a predict_only plan no measurement, Δ loss or error.
     return filled(out, keep=labels)
 
@@ -257,11 +236,13 @@ def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
         for option in sorted(set(values), key=_natural):
             chosen = ~at_ref & (df[col].astype(str) == option)
             runs = ok[chosen[ok.index]]
-            pairs = [[_pct(run[m], df.loc[refs[k], m]) for m in (MEMORY, "iter_time_ms", "loss_final")]
+            pairs = [[*(_pct(run[m], df.loc[refs[k], m]) for m in (MEMORY, "iter_time_ms", "loss_final")),
+                      within_noise(run, df.loc[refs[k]])]
                      for k, (_, run) in zip(same(runs), runs.iterrows()) if k in refs]
-            med = pd.DataFrame(pairs).median() if pairs else pd.Series([float("nan")] * 3)
-            rows.append({"Group": col, "Option": option, "Against": against,
-                         "Δ memory (median)": _signed(med.iloc[0]), "Δ iteration time (median)": _signed(med.iloc[1]),
+            med = pd.DataFrame([p[:3] for p in pairs]).median() if pairs else pd.Series([float("nan")] * 3)
+            noise = sum(p[3] for p in pairs) > len(pairs) / 2  # most pairs differ by less than their own spread
+            rows.append({"Group": col, "Option": option, "Against": against, "Δ memory (median)": _signed(med.iloc[0]),
+                         "Δ iteration time (median)": NOISE if noise and pd.notna(med.iloc[1]) else _signed(med.iloc[1]),
                          "Δ final loss (median)": _signed(med.iloc[2]), "Pairs": str(len(pairs)),
                          "Not ok": str(int(chosen.sum()) - len(runs))})
     return pd.DataFrame(rows)

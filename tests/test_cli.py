@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
@@ -22,7 +23,7 @@ METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_p
            "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
            "losses", "per_rank", "max_batch_size", "find_batch"}
 ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname", "git_sha", "python",
-       "slurm_job_id"}
+       "slurm_job_id", "cuda_visible_devices"}
 CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss"}
 
 
@@ -80,8 +81,14 @@ def test_rerun_skips_finished_points_and_skip_existing_false_reruns(sweep):
     again = run_cli(["-m", "optimizer=adamw,sgd", f"hydra.sweep.dir={out}/sweeps/again"], out)
     assert again.returncode == 0, again.stderr
     assert again.stdout.count("[   skip]") == 2 and "worker.log" not in str(list((out / "sweeps" / "again").rglob("*")))
-    for r in results_under(out / "sweeps" / "again"):  # the new sweep directory still gets every row
-        assert r == first[r["run_id"]]
+    for r in results_under(out / "sweeps" / "again"):  # the new sweep directory still gets every row,
+        copied_from = Path(r.pop("reused_from"))  # naming the result it copies
+        assert r == first[r["run_id"]] and copied_from.parent.parent == out / "sweeps" / "first"
+    report = subprocess.run([sys.executable, "-m", "analysis.report", str(out / "sweeps" / "again")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    setting = report.stdout.split("## Setting", 1)[1].split("\n\n")[1]  # its rows say they were measured before
+    assert setting.count(" (reused) ") == 2 and "(reused): a row an earlier sweep measured" in report.stdout
     forced = run_cli(["-m", "optimizer=sgd", "skip_existing=false", f"hydra.sweep.dir={out}/sweeps/forced"], out)
     assert forced.returncode == 0, forced.stderr
     (rerun,) = results_under(out / "sweeps" / "forced")

@@ -1,0 +1,112 @@
+"""The report's cells: numbers rounded as published tables print them, failures as words, the
+spread of iteration times and the "~" that marks a time delta inside it, FLOP rates in a unit that
+reads, and the memory column named for the device that measured it. Memory in MiB (2^20 bytes)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from ablate.results import not_run, predicted_oom
+
+MEMORY = "peak_allocated_mib"
+NOISE = "~"  # a time delta no larger than the runs' own step-to-step variation
+
+
+def num(value, fmt: str, unit: str = "") -> str:
+    """A rounded number, or "" when it was not measured."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:{fmt}}{unit}"
+
+
+def mib(value) -> str:
+    """Memory as published tables print it: whole MiB, one decimal below 100 MiB (CPU-sized runs)."""
+    return num(value, ",.0f" if value is not None and not pd.isna(value) and value >= 100 else ".1f")
+
+
+def delta(value, base) -> str:
+    """Signed change in percent: "+12.3%"."""
+    if value is None or base is None or pd.isna(value) or pd.isna(base) or not base:
+        return ""
+    return f"{100 * (value - base) / base:+.1f}%"
+
+
+def filled(table: pd.DataFrame, keep: list[str]) -> pd.DataFrame:
+    """`table` less the columns (other than `keep`) that no row has a value in: they say nothing."""
+    return table[[c for c in table if c in keep or table[c].astype(bool).any()]]
+
+
+def failed(row: pd.Series) -> str:
+    """The cell a failed (or only predicted) run shows where a number would be. An OOM that was
+    only predicted (prune, or a plan with a capacity) says so: it never ran out of anything."""
+    predicted = row.get("predicted_peak_mib")
+    if row["status"] == "predicted" and pd.notna(predicted):
+        return f"~{predicted:,.0f} (predicted)"
+    if predicted_oom(row) and pd.notna(predicted):
+        return f"OOM (predicted ~{predicted:,.0f})"
+    if not_run(row):  # a ladder stopped before it: it never ran out of anything either
+        return "not run"
+    return "OOM" if row["status"] == "oom" else row["status"]
+
+
+def _p10_p90(row: pd.Series) -> tuple[float, float] | None:
+    lo, hi = row.get("iter_time_ms_p10"), row.get("iter_time_ms_p90")
+    return None if lo is None or hi is None or pd.isna(lo) or pd.isna(hi) else (float(lo), float(hi))
+
+
+def spread(row: pd.Series) -> str:
+    """The measured steps' iteration times from p10 to p90 in ms ("26.2–31.0"): how far a step strays."""
+    p = _p10_p90(row)
+    return "" if p is None else f"{p[0]:,.1f}–{p[1]:,.1f}"
+
+
+def within_noise(row: pd.Series, base: pd.Series) -> bool:
+    """Whether two runs' p10–p90 iteration times overlap: a difference between them is then no
+    larger than either run's own variation from step to step (a loaded CPU, a GPU's clocks), so it
+    is not an effect of what differs. Unknown (no spread recorded) is not noise."""
+    a, b = _p10_p90(row), _p10_p90(base)
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+
+
+def time_delta(row: pd.Series, base: pd.Series, col: str = "train_latency_s") -> str:
+    """Δ time against `base` in percent, or NOISE where it lies inside the runs' own spread."""
+    change = delta(row[col], base[col])
+    return NOISE if change and row.name != base.name and within_noise(row, base) else change
+
+
+def flops(values: pd.Series) -> tuple[str, list[str]]:
+    """(heading, cells) of a FLOP-rate column: TFLOP/s, or GFLOP/s where no run reaches 0.1 TFLOP/s
+    (a CPU at toy sizes), where every cell would read 0.00."""
+    rate = pd.to_numeric(values, errors="coerce")
+    if rate.notna().any() and rate.max() < 0.1:
+        return "GFLOP/s", [num(v * 1e3, ".2f") for v in rate]
+    return "TFLOP/s", [num(v, ".2f") for v in rate]
+
+
+def on_cpu(df: pd.DataFrame) -> bool:
+    """Whether the rows' memory figures are a CPU's: every row that tells (one that ran, or one
+    planned for a named device) ran, or was planned, without a GPU."""
+    ran = df["env_torch"].notna() if "env_torch" in df else pd.Series(False, index=df.index)
+    no_gpu = df["env_gpu_name"].isna() if "env_gpu_name" in df else pd.Series(True, index=df.index)
+    device = df["device"].astype(str) if "device" in df else pd.Series("", index=df.index)
+    cpu = (ran & no_gpu) | (~ran & (device == "cpu"))
+    tells = ran | device.isin(["cpu", "cuda"])
+    return bool(tells.any() and cpu[tells].all())
+
+
+def memory_heading(df: pd.DataFrame) -> str:
+    """The setting table's memory column: a GPU's allocator peak, or a CPU's traced peak."""
+    return "Peak memory (MiB)" if on_cpu(df) else "GPU Memory Peak (MiB)"
+
+
+def footnote(cpu: bool) -> str:
+    """What the tables' figures are, once under the first table."""
+    memory = ("Peak memory / Memory (MiB): on a CPU, traced: the peak of live tensor bytes that torch's "
+              "MemTracker saw over training (no caching allocator, no GPU)" if cpu else
+              "GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
+              "training; reserved adds cached free blocks; NVML is what the driver sees (CUDA context included)")
+    return (f"{memory}. MiB = 2^20 bytes. Iteration time: median of the measured steps, and its p10–p90 "
+            f"spread. Training latency: all measured steps. {NOISE} in a Δ time column: the two runs' "
+            "p10–p90 iteration times overlap, so the difference is noise, not an effect. (reused): a row "
+            "an earlier sweep measured (the same run_id), not run again.")

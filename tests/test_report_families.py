@@ -1,0 +1,134 @@
+"""What a report compares and says it is of (issue 40, items 3, 4 and 6): comparable families with
+a baseline each, a time delta inside the runs' own spread marked as noise, a header naming the
+device, torch, commit, date and command, and a CPU's memory column named for what it is."""
+from __future__ import annotations
+
+import pandas as pd
+import yaml
+
+from ablate import results
+from analysis import cells
+from analysis.report import main
+
+CHOICES = {"model": "gpt-nano", "data": "synthetic", "optimizer": "adamw", "precision": "fp32", "accumulation": "none",
+           "checkpoint": "none", "offload": "none", "parallel": "single", "loss": "standard"}
+CPU = {"torch": "2.13.0+cpu", "gpu_name": None, "git_sha": "0123456789abcdef", "world_size": 1}
+
+
+def _sweep(root, name: str, task: list[str]):
+    """A sweep directory as Hydra leaves it: multirun.yaml with the sweep's command-line overrides."""
+    (root / name).mkdir(parents=True)
+    (root / name / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": task}}}))
+    return root / name
+
+
+def _run(where, name, peak=100.0, p50=50.0, spread=(45.0, 55.0), seq_len=64, steps=10, vocab=512,
+         tflops=0.004, env=CPU, finished="2026-11-25T01:00:00+00:00", accumulation_steps=1, **choices):
+    metrics = {"peak_allocated_mib": peak, "iter_time_ms": p50, "iter_time_ms_p10": spread[0],
+               "iter_time_ms_p90": spread[1], "train_latency_s": p50 * steps / 1e3, "tflops": tflops,
+               "loss_final": 4.0, "losses": [5.0, 4.0]}
+    config = {"batch_size": 8, "seq_len": seq_len, "steps": steps, "device": "cpu",
+              "accumulation": {"steps": accumulation_steps},
+              "model": {"vocab_size": vocab}}
+    r = results.make(name, "ok", None, {**CHOICES, **choices}, config, [f"seq_len={seq_len}"], metrics=metrics,
+                     env=env, timing={"started_at": None, "finished_at": finished, "wall_s": 1.0})
+    results.write_json(where / name / "result.json", r)
+
+
+def _report(tmp_path, *args) -> str:
+    md = tmp_path / "out"
+    assert main([str(tmp_path / "runs"), "--out", str(md), *args]) == 0
+    return (md / "report.md").read_text()
+
+
+def _firsts(md: str, heading: str) -> list[str]:
+    table = md.split(f"## {heading}\n\n", 1)[1].split("\n\n", 1)[0]
+    return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+
+
+def test_runs_that_differ_in_shape_or_length_get_a_table_and_baseline_each(tmp_path):
+    """The issue's report: a demo sweep (vocab 512, seq 64, 200 steps) beside a default run (seq 32,
+    3 steps) labelled a row "+ seq len = 64 + steps = 200 + model.vocab_size=512 | −94.7%"."""
+    demo = _sweep(tmp_path / "runs", "demo", ["experiment=demo", "optimizer=adamw,sgd"])
+    _run(demo, "a", steps=200)
+    _run(demo, "s", steps=200, peak=80.0, optimizer="sgd")
+    _run(tmp_path / "runs" / "single", "d", peak=1900.0, seq_len=32, steps=3, vocab=50257)
+    md = _report(tmp_path)
+    assert "These runs form 2 families of comparable runs" in md and "they differ in seq_len, steps" in md
+    assert _firsts(md, "Setting: seq_len=64, steps=200, model.vocab_size=512") == [
+        "Baseline (batch size = 8)", "+ SGD"]
+    assert _firsts(md, "Setting: seq_len=32, steps=3, model.vocab_size=50257") == ["Baseline (batch size = 8)"]
+    assert "seq len =" not in md  # no row is labelled by what only tells families apart
+
+
+def test_an_axis_a_sweep_varied_stays_in_one_table(tmp_path):
+    """`seq_len=64,128` asks how memory grows with the sequence: one family, one baseline."""
+    scan = _sweep(tmp_path / "runs", "scan", ["seq_len=64,128"])
+    _run(scan, "short")
+    _run(scan, "long", seq_len=128, peak=190.0)
+    md = _report(tmp_path)
+    assert "families" not in md
+    assert _firsts(md, "Setting") == ["Baseline (batch size = 8)", "+ seq len = 128"]
+
+
+def test_a_time_delta_inside_the_runs_spread_is_marked_as_noise(tmp_path):
+    runs = _sweep(tmp_path / "runs", "grid", ["precision=fp32,tf32", "checkpoint=none,block"])
+    _run(runs, "base", p50=50.0, spread=(40.0, 90.0))
+    _run(runs, "tf32", p50=30.0, spread=(25.0, 45.0), precision="tf32")  # -40% on paper, inside the spread
+    _run(runs, "block", p50=75.0, spread=(70.0, 80.0), peak=60.0, checkpoint="block")  # +50%: overlaps too
+    _run(runs, "both", p50=150.0, spread=(140.0, 160.0), peak=60.0, checkpoint="block", precision="tf32")
+    md = _report(tmp_path)
+    table = md.split("## Setting\n\n", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
+    header = [c.strip() for c in table.splitlines()[0].split("|")[2:-1]]
+    at = {h: i for i, h in enumerate(header)}
+    assert rows["+ TF32"][at["Δ time vs baseline"]] == cells.NOISE
+    assert rows["+ TF32"][at["Iteration p10–p90 (ms)"]] == "25.0–45.0"
+    assert rows["+ TF32 + Block recompute"][at["Δ time vs baseline"]] == "+200.0%"  # 140–160 vs 40–90: real
+    assert rows["+ Block recompute"][at["Δ memory vs baseline"]] == "-40.0%"  # memory is never noise-marked
+    assert f"{cells.NOISE} in a Δ time column: the two runs' p10–p90 iteration times overlap" in md
+
+
+def test_the_report_opens_with_device_torch_commit_date_and_command(tmp_path):
+    runs = _sweep(tmp_path / "runs", "demo", ["experiment=demo", "optimizer=adamw,sgd"])
+    _run(runs, "a", finished="2026-11-25T01:02:00+00:00")
+    _run(runs, "s", optimizer="sgd", finished="2026-11-25T01:07:00+00:00")
+    md = _report(tmp_path, "--format", "html")
+    assert md.splitlines()[:8] == [
+        "# ablate report: 2 runs (2 ok)", "", "- Device: CPU", "- torch: 2.13.0+cpu", "- Commit: 0123456",
+        "- Date: 2026-11-25 01:02 – 01:07 UTC", "- Command: `python -m ablate -m experiment=demo optimizer=adamw,sgd`",
+        ""]
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "<b>Device:</b> CPU" in html and "<code>python -m ablate -m experiment=demo optimizer=adamw,sgd</code>" in html
+
+
+def test_a_cpu_report_names_its_memory_traced_and_its_flops_readable(tmp_path):
+    runs = _sweep(tmp_path / "runs", "grid", ["optimizer=adamw,sgd"])
+    _run(runs, "a", tflops=0.0081)
+    _run(runs, "s", tflops=0.0361, optimizer="sgd")
+    md = _report(tmp_path)
+    assert "| Peak memory (MiB) |" in md.replace("  ", " ").replace("  ", " ") and "GPU Memory Peak" not in md
+    assert "on a CPU, traced: the peak of live tensor bytes" in md
+    full = md.split("## All runs\n\n", 1)[1].split("\n\n", 1)[0]
+    assert "GFLOP/s" in full and "TFLOP/s" not in full and "36.10" in full and "0.00" not in full
+
+
+def test_a_gpu_report_keeps_the_published_headings():
+    gpu = pd.DataFrame({"env_torch": ["2.11.0"], "env_gpu_name": ["NVIDIA H100 80GB HBM3"], "device": ["auto"]})
+    assert cells.memory_heading(gpu) == "GPU Memory Peak (MiB)"
+    assert cells.flops(pd.Series([312.4]))[0] == "TFLOP/s"
+    plan = pd.DataFrame({"env_torch": [None], "env_gpu_name": [None], "device": ["cuda"]})  # predict_only for a GPU
+    assert cells.memory_heading(plan) == "GPU Memory Peak (MiB)"
+
+
+def test_ladder_on_runs_that_are_not_a_ladder_says_so(tmp_path, capsys):
+    """single_gpu_techniques is one technique at a time against a base (cumulative: false): read as
+    a ladder, its third row would be "+ Block recompute − Gradient accumulation"."""
+    runs = _sweep(tmp_path / "runs", "techniques", ["experiment=single_gpu_techniques"])
+    _run(runs, "base", finished="2026-11-25T01:00:00+00:00")
+    _run(runs, "accum", accumulation="x4", accumulation_steps=4, peak=70.0, finished="2026-11-25T01:01:00+00:00")
+    _run(runs, "block", checkpoint="block", peak=60.0, finished="2026-11-25T01:02:00+00:00")
+    md = _report(tmp_path, "--ladder")
+    assert "these runs are not a ladder ('− Gradient accumulation (2 × 4 = 8) + Block recompute' drops Gradient " \
+        "accumulation" in capsys.readouterr().err
+    assert "## Setting\n" in md and "Setting (ladder)" not in md and "−" not in md
