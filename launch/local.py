@@ -186,6 +186,7 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
     outcome.stopped_by = stopped[0] if stopped else None
     nvml = sampler.fields()
     outcome.env["driver"] = nvml.pop("driver")
+    outcome.env["cuda_visible_devices"] = env.get("CUDA_VISIBLE_DEVICES")  # the GPUs it was pinned to, if any
     outcome.metrics.update(nvml)
     pids = {e["rank"]: e["pid"] for e in events if e["event"] == "started"}
     for row in outcome.metrics.get("per_rank") or []:

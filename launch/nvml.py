@@ -47,6 +47,17 @@ def _nvml():
         return None
 
 
+def _visible_indices(n: int) -> set[int]:
+    """NVML indices of the devices a worker started from here may use: those CUDA_VISIBLE_DEVICES
+    names by index (NVML ignores the variable and numbers devices in PCI order, as CUDA does under
+    CUDA_DEVICE_ORDER=PCI_BUS_ID, which hydra/launcher=gpu_pool sets), else all of them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
+    if visible is None or not all(e.isdigit() for e in entries):  # unset, or UUIDs: all
+        return set(range(n))
+    return {int(e) for e in entries}
+
+
 class NvmlSampler:
     """Every `interval_s`: memory of the worker's process tree per device, and utilisation of the
     devices it uses while `measuring` is set (so init and eval do not dilute GPU Usage %)."""
@@ -63,8 +74,10 @@ class NvmlSampler:
         if self.nvml:
             n = self.nvml.nvmlDeviceGetCount()
             self._handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-            # Fallback where process ids are not visible (containers): growth over this baseline.
+            # Fallback where process ids are not visible (containers): growth over this baseline,
+            # on the worker's own devices only (points may run beside it on the others).
             self._baseline = [self.nvml.nvmlDeviceGetMemoryInfo(h).used for h in self._handles]
+            self._own = _visible_indices(n)
 
     def __enter__(self) -> "NvmlSampler":
         if self.nvml:
@@ -98,7 +111,7 @@ class NvmlSampler:
             for p in procs:
                 self.peak_by_pid[p.pid] = max(self.peak_by_pid.get(p.pid, 0.0), (p.usedGpuMemory or 0) / MIB)
             mine = [p.usedGpuMemory or 0 for p in procs]
-            if not mine:  # pid namespaces hide the worker: count the device's growth instead
+            if not mine and i in self._own:  # pid namespaces hide the worker: count the device's growth instead
                 grown = nv.nvmlDeviceGetMemoryInfo(h).used - self._baseline[i]
                 mine = [grown] if grown > 0 else []
             if mine:

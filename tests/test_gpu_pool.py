@@ -1,0 +1,196 @@
+"""hydra/launcher=gpu_pool (the default): points side by side on a host with several GPUs, one per
+free GPU, each pinned with CUDA_VISIBLE_DEVICES. On CPU with a fake list of devices
+(hydra.launcher.gpus): the pool and its schedule, then one real sweep through the CLI."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+import psutil
+import pytest
+
+from helpers import FAST, ROOT, results_under, run_cli
+from launch import gpu_pool
+from launch.gpu_pool import GpuPool, Point, gpus_wanted, host_gpus, packed
+
+
+def test_host_gpus_reads_the_list_then_cuda_visible_devices_then_nvml(monkeypatch):
+    assert host_gpus([3, 1]) == [3, 1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert host_gpus() == [2, 3]
+    for hidden in ("", "-1", "GPU-5c3e1d2a-0000"):  # none, or ids submitit cannot pin by: not packed
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert host_gpus("auto") == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(gpu_pool, "visible_gpu_count", lambda: 4)
+    assert host_gpus() == [0, 1, 2, 3]
+
+
+def test_a_point_wants_one_gpu_per_rank():
+    assert gpus_wanted(False, 1, 4) == 1
+    assert gpus_wanted(True, 2, 4) == 2
+    assert gpus_wanted(True, "auto", 4) == 4  # every GPU, as the job resolves it
+    assert gpus_wanted(True, 8, 4) == 8  # more than there are: the launcher's to refuse (or cap, on a CPU)
+    assert gpus_wanted(True, 0, 4) == gpus_wanted(True, "x", 4) == 1  # the job's own check names it
+
+
+def test_the_pool_hands_out_free_ids_in_the_hosts_order():
+    pool = GpuPool([0, 1, 2, 3])
+    assert pool.take(1) == [0] and pool.take(2) == [1, 2]
+    assert pool.take(2) is None  # one left
+    pool.give([1, 2])
+    assert pool.take(3) == [1, 2, 3]
+
+
+class FakeJob:
+    """Ends after `polls` checks."""
+
+    def __init__(self, point: Point, polls: int):
+        self.point, self.polls, self.stopped = point, polls, False
+
+    def done(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+def schedule(wants: list[int], gpus: list[int], polls: int = 3):
+    """Run fake points through `packed`; returns (start order with ids, end order, most running at once)."""
+    points = [Point(i, [f"p={i}"], w, True, f"p={i}", None) for i, w in enumerate(wants)]
+    busy: set[int] = set()
+    started, ended, most = [], [], 0
+
+    def start(point, ids):
+        nonlocal most
+        assert not busy & set(ids), f"{point.label} got GPUs {ids} while {sorted(busy)} were busy"
+        busy.update(ids)
+        started.append((point.idx, ids))
+        most = max(most, len(started) - len(ended))
+        return FakeJob(point, polls)
+
+    for point, _, ids in packed(points, gpus, start, FakeJob.done, lambda job: None, poll_s=0):
+        busy.difference_update(ids)
+        ended.append(point.idx)
+    return started, ended, most
+
+
+def test_points_run_side_by_side_each_on_gpus_of_its_own():
+    started, ended, most = schedule([1, 2, 1, 2, 1, 1], [0, 1, 2, 3])
+    assert sorted(ended) == list(range(6))  # every point ran, once
+    assert [len(ids) for _, ids in sorted(started)] == [1, 2, 1, 2, 1, 1]  # nproc=k: k GPUs
+    assert started[:3] == [(0, [0]), (1, [1, 2]), (2, [3])]  # the grid fills the host at once
+    assert most == 3
+
+
+def test_a_point_that_fits_passes_one_that_waits_and_the_wide_one_runs_alone():
+    started, _, _ = schedule([1, 4, 1, 1], [0, 1, 2, 3])
+    assert [idx for idx, _ in started][:3] == [0, 2, 3]  # the 4-GPU point waits for the host to empty
+    assert started[3] == (1, [0, 1, 2, 3])
+    started, _, most = schedule([1, 8], [0, 1])  # a CPU point wanting more than there are: all, alone
+    assert started[1] == (1, [0, 1]) and most == 1
+
+
+def test_with_one_gpu_points_run_one_at_a_time_in_grid_order():
+    started, ended, most = schedule([1, 1, 1], [0])
+    assert started == [(0, [0]), (1, [0]), (2, [0])] and ended == [0, 1, 2] and most == 1
+
+
+def test_a_sweep_stopped_midway_stops_its_running_jobs():
+    points = [Point(i, [], 1, True, str(i), None) for i in range(3)]
+    checks, stopped = [], []
+
+    def finished(job):
+        checks.append(job)
+        if len(checks) == 3:
+            raise KeyboardInterrupt  # Ctrl-C (or SIGTERM, which the launcher turns into it) while polling
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        for _ in packed(points, [0, 1], lambda point, ids: point, finished, stopped.append, poll_s=0):
+            pass
+    assert stopped == points[:2]  # the two running; the third never started
+
+
+def test_one_gpu_or_none_is_hydras_basic_launcher_as_before(monkeypatch, tmp_path):
+    from hydra_plugins.ablate_launcher import launchers
+
+    calls = []
+
+    class Basic:
+        def setup(self, **kwargs):
+            calls.append(("setup", sorted(kwargs)))
+
+        def launch(self, job_overrides, initial_job_idx):
+            calls.append(("launch", job_overrides, initial_job_idx))
+            return ["ran in the sweep's process"]
+
+    monkeypatch.setattr(launchers, "BasicLauncher", Basic)
+    monkeypatch.setattr(launchers.LocalLauncher, "_submit", lambda *a: pytest.fail("a submitit job"))
+    for gpus in ([0], [], "auto"):  # "auto" on this CPU machine: none
+        calls.clear()
+        launcher = launchers.GpuPoolLauncher(gpus=gpus, submitit_folder=str(tmp_path))
+        assert launcher.launch([["optimizer=sgd"]], 0) == ["ran in the sweep's process"]
+        assert calls == [("setup", ["config", "hydra_context", "task_function"]), ("launch", [["optimizer=sgd"]], 0)]
+
+
+def test_a_real_sweep_packs_points_of_one_and_two_gpus_and_refuses_one_wanting_more(tmp_path):
+    """Three rungs on three fake GPUs: one process, two DDP ranks (gloo), and eight ranks."""
+    rungs = ("hydra.sweeper.rungs=[{parallel: single},{parallel: ddp, parallel.nproc: 2},"
+             "{parallel: ddp, parallel.nproc: 8, device: cuda}]")
+    small = [f for f in FAST if not f.startswith("device=")] + ["steps=2", "data.train_samples=32"]
+    proc = run_cli(["-m", "hydra/launcher=gpu_pool", "hydra.launcher.gpus=[0,1,2]", "hydra/sweeper=ladder",
+                    "hydra.sweeper.cumulative=false", rungs, f"hydra.sweep.dir={tmp_path}/s", *small],
+                   tmp_path, fast=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single, ddp, wide = sorted(results_under(tmp_path / "s"), key=lambda r: r["config"]["rung"])
+    assert (single["status"], ddp["status"], wide["status"]) == ("ok", "ok", "invalid"), wide["reason"]
+    assert wide["reason"].startswith("parallel.nproc=8 > 3 GPUs on this host")
+    # Pinned, as recorded inside each point: GPUs of its own, one per rank.
+    assert single["env"]["cuda_visible_devices"] == "0" and ddp["env"]["cuda_visible_devices"] == "1,2"
+    assert (single["env"]["world_size"], ddp["env"]["world_size"]) == (1, 2)
+    # Side by side: both started before either ended.
+    times = [(datetime.fromisoformat(r["timing"]["started_at"]), datetime.fromisoformat(r["timing"]["finished_at"]))
+             for r in (single, ddp)]
+    assert max(s for s, _ in times) < min(f for _, f in times)
+    # The console names each point's GPUs, as it starts and as it ends.
+    lines = proc.stdout.splitlines()
+    running = [i for i, ln in enumerate(lines) if ln.startswith("[running]")]
+    done = [i for i, ln in enumerate(lines) if ln.startswith("[     ok]")]
+    assert len(running) == len(done) == 2 and max(running) < min(done)
+    assert re.search(r"parallel=single.*  GPU 0$", lines[running[0]])
+    assert re.search(r"parallel.nproc=2,parallel=ddp.*  GPU 1,2$", lines[running[1]])
+    assert any("parallel=single" in lines[i] and "  GPU 0  peak" in lines[i] for i in done)
+    assert any(ln.startswith("[invalid]") and "parallel.nproc=8 > 3 GPUs" in ln for ln in lines)
+    assert "3 results under" in proc.stdout and "2 ok, 1 invalid" in proc.stdout
+
+
+def test_a_sweep_told_to_stop_stops_its_running_points_and_leaves_nothing_behind(tmp_path):
+    """The default launcher: SIGTERM while two points train side by side (both hang). submitit's
+    local jobs outlive the process that started them unless it ends them."""
+    env = {**os.environ, "ABLATE_FAULT": "hang"}
+    cmd = [sys.executable, "-m", "ablate", "-m", "hydra.launcher.gpus=[0,1]", "optimizer=sgd,adamw",
+           f"out_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/s", *FAST]
+    # SIGINT at its default, as at a terminal (a suite run in the background hands it ignored)
+    sweep = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 90
+        while sum('"train"' in p.read_text() for p in tmp_path.rglob("events.jsonl")) < 2:
+            assert time.monotonic() < deadline and sweep.poll() is None, sweep.stdout.read()[-3000:]
+            time.sleep(0.2)
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=60) == -signal.SIGTERM  # ended by it, as under the basic launcher
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    output = sweep.stdout.read()
+    assert "[running]" in output and "Traceback" not in output
+    time.sleep(1)
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not left  # no submitit job, no worker
+    assert not results_under(tmp_path / "s")  # no row for a stopped point: the next sweep runs it
