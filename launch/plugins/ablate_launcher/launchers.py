@@ -108,8 +108,8 @@ class LocalLauncher(PluginLocalLauncher):
         # time limit (max_num_timeout 0): the worker cannot resume.
         executor = submitit.LocalExecutor(folder=self.params["submitit_folder"],
                                           max_num_timeout=self.params.get("max_num_timeout", 0))
-        queue = {k: v for k, v in self.params.items()
-                 if v is not None and k not in ("submitit_folder", "max_num_timeout")}
+        queue = {k: v for k, v in self.params.items()  # the GPUs are this call's to give
+                 if v is not None and k not in ("submitit_folder", "max_num_timeout", "gpus_per_node")}
         executor.update_parameters(**queue, gpus_per_node=len(gpus), visible_gpus=list(gpus))
         return executor.submit(self, list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
                                Singleton.get_state())
