@@ -5,6 +5,8 @@ card the runs were judged against, and saving a figure. The figures themselves a
 from __future__ import annotations
 
 import math
+import re
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ablate.results import not_run  # noqa: E402
+from analysis import compare, tables  # noqa: E402
 
 DPI = 150
 
@@ -86,3 +89,56 @@ def series(df: pd.DataFrame, others: list[str]):
         return
     for key, part in as_text(df, others).groupby(others, sort=True):  # keys are tuples when grouping by a list
         yield " / ".join(k for k in key if k), df.loc[part.index]
+
+
+def baselines(df: pd.DataFrame, labels: list[str], bases: pd.Series | None = None) -> pd.Series:
+    """Each row's baseline row: `bases` (compare.baselines over these rows or more) where it names
+    rows of `df`, else compare.baselines over `df` and the labels it has."""
+    bases = bases.reindex(df.index) if bases is not None else None
+    if bases is None or not bases.isin(df.index).all():
+        bases = compare.baselines(df, [c for c in labels if c in df], None)
+    return bases
+
+
+def setting_names(df: pd.DataFrame, labels: list[str], bases: pd.Series | None = None) -> pd.Series:
+    """Each row's name as the setting table writes it (tables.setting_label): what differs from its
+    baseline row (`baselines`), 'Baseline (batch size = 8)', '+ Block recompute + bf16 AMP'. Rows
+    without a batch size or status (nothing to name a baseline by) keep run_label's values."""
+    if df.empty or "batch_size" not in df or "status" not in df:
+        return pd.Series([run_label(r, labels) for _, r in df.iterrows()], index=df.index, dtype=object)
+    bases, cols = baselines(df, labels, bases), [c for c in labels if c in df]
+    return pd.Series([tables.setting_label(row, df.loc[bases[i]], cols) for i, row in df.iterrows()],
+                     index=df.index, dtype=object)
+
+
+def changed(name: str) -> int:
+    """How many changes a setting name lists ("+ SGD + bf16 AMP": 2, a baseline 0)."""
+    return len(re.findall(r"(?:^| )[+−] ", name))
+
+
+def table_order(names: pd.Series) -> list:
+    """The index of `names` (setting_names) as the setting table lists its rows: the baseline, then
+    the fewest changes first, ties in the order given."""
+    return sorted(names.index, key=lambda i: changed(names[i]))
+
+
+def change_name(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
+    """What `row` changes against `base` in `labels` alone, as the setting table writes it ("+ Block
+    recompute + bf16 AMP"), or "Baseline" when nothing: a batch scan's line, every batch size at once."""
+    parts = tables.changes(row, base, [c for c in labels if c in row.index and c in base.index])
+    # a line spans batch sizes: the accumulation is its steps, not one batch's split ("8 × 4 = 32")
+    parts = [re.sub(r"^Gradient accumulation \(\d+ × (\d+) = \d+\)$", r"Gradient accumulation (\1 steps)", p)
+             for p in parts]
+    return " ".join(p if p.startswith("− ") else "+ " + p for p in parts) if parts else "Baseline"
+
+
+def wrap(name: str, width: int) -> str:
+    """A setting name over lines of about `width` characters, broken before a "+ " or "− " where it
+    can be (a technique's name stays on one line), else at spaces."""
+    lines: list[str] = []
+    for part in re.split(r" (?=[+−] )", name):
+        if lines and len(lines[-1]) + 1 + len(part) <= width:
+            lines[-1] += " " + part
+        else:
+            lines += textwrap.wrap(part, width, break_on_hyphens=False) or [part]
+    return "\n".join(lines)

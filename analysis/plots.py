@@ -6,7 +6,7 @@ data has nothing to show. Memory is the torch allocator's peak of allocated byte
 """
 from __future__ import annotations
 
-import re
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -14,100 +14,26 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from analysis.compare import varies
-from analysis.figure import as_text, card, fmt, is_status, num, on_device, plt, run_label, save, series, skipped
+from analysis.figure import (DPI, as_text, baselines, card, change_name, changed, fmt, is_status, num, on_device, plt,
+                             run_label, save, series, setting_names, skipped, table_order, wrap)
+from analysis.pareto import pareto, pareto_front, paretos  # noqa: F401  (the report's plots, one import)
+from analysis.place import drop_crowded, thin_ticks
 
 MEMORY = "peak_allocated_mib"
 # (breakdown component, legend text), stacked in this order: what the model owns, then what training adds.
 COMPONENTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
               ("activations", "activations"), ("other", "other"))
 LOSS_VARIANTS = ("precision", "optimizer")  # runs that differ only in these should train alike
+NAME_WIDTH = 48  # characters per line of a run's name in a legend
+BAR_NAME_WIDTH = 64  # ... and beside a bar: two lines hold most names
+# (marker, line style) per ten series, tab10's colours repeating within each: 40 series stay apart
+STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."))
 
 
-def pareto_front(points) -> list[int]:
-    """Indices of the (x, y) points no other point beats in both (lower is better), sorted by x."""
-    pts = [(float(x), float(y)) for x, y in points]
-    front = [i for i, (x, y) in enumerate(pts)
-             if not any(a <= x and b <= y and (a < x or b < y) for a, b in pts)]
-    return sorted(front, key=lambda i: pts[i])
-
-
-def _capacity(df: pd.DataFrame, peaks: pd.Series) -> float:
-    """Where an OOM sits on the memory axis: the card's memory (MiB) when known, else just past the data."""
-    known = card(df)
-    return known[0] if known else 1.05 * float(peaks.max())
-
-
-def _pareto_oom(ax, df: pd.DataFrame, ok: pd.DataFrame, labels: list[str]) -> None:
-    oom = df[is_status(df, "oom") & ~skipped(df)]  # a point a ladder never ran is no OOM
-    if oom.empty:
-        return
-    cap, y = _capacity(df, ok[MEMORY]), float(ok["iter_time_ms"].median())
-    ax.axvline(cap, color="red", ls="--", lw=1, label=f"OOM (capacity {cap:,.0f} MiB)")
-    ax.scatter([cap] * len(oom), [y] * len(oom), marker="x", color="red", s=60, zorder=4)
-    names = "\n".join(run_label(r, labels) for _, r in oom.iterrows())
-    ax.annotate(f"OOM:\n{names}", (cap, y), xytext=(-6, 0), textcoords="offset points",
-                ha="right", va="center", fontsize=7, color="red")
-    if cap > 4 * ok[MEMORY].max() and ok[MEMORY].min() > 0:
-        # a whole GPU next to small runs would squash them against the y-axis
-        ax.set_xscale("log")
-        ax.set_xlim(ok[MEMORY].min() / 1.5, cap * 1.5)
-    else:
-        ax.set_xlim(0, cap * 1.05)
-
-
-def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pareto.png") -> Path | None:
-    """Peak memory vs iteration time per ok run, the Pareto front as a step line, OOMs at capacity."""
-    if df.empty:
-        return None
-    ok = df[is_status(df, "ok")]
-    ok = ok.assign(**{c: num(ok, c) for c in (MEMORY, "iter_time_ms", "loss_final")})
-    ok = ok[np.isfinite(ok[MEMORY]) & np.isfinite(ok["iter_time_ms"])]
-    if ok.empty:
-        return None
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    x, y, loss = ok[MEMORY].to_numpy(), ok["iter_time_ms"].to_numpy(), ok["loss_final"].to_numpy()
-    front = pareto_front(zip(x, y))
-    # the front as a staircase (nothing on it beats another in both), its runs ringed: one run still shows
-    ax.step(x[front], y[front], where="post", color="0.2", lw=1.2, zorder=1)
-    ax.scatter(x[front], y[front], s=160, facecolors="none", edgecolors="0.2", linewidths=1.2, zorder=2,
-               label="Pareto front")
-    has_loss = np.isfinite(loss)
-    if has_loss.any() and np.ptp(loss[has_loss]) > 1e-6 * np.abs(loss[has_loss]).max():
-        sc = ax.scatter(x[has_loss], y[has_loss], c=loss[has_loss], cmap="viridis", s=50,
-                        edgecolors="k", linewidths=0.5, zorder=3)
-        fig.colorbar(sc, ax=ax, label="final loss")
-    elif has_loss.any():  # one loss for all (techniques that keep the math): a colour scale would invent a spread
-        ax.scatter(x[has_loss], y[has_loss], color=plt.get_cmap("viridis")(0.5), s=50, edgecolors="k",
-                   linewidths=0.5, zorder=3, label=f"final loss {loss[has_loss][0]:.4f} (every run)")
-    if (~has_loss).any():
-        ax.scatter(x[~has_loss], y[~has_loss], color="0.7", s=50, edgecolors="k", linewidths=0.5,
-                   zorder=3, label="no final loss")
-    for (_, row), xi, yi in zip(ok.iterrows(), x, y):
-        ax.annotate(run_label(row, labels), (xi, yi), xytext=(4, 4), textcoords="offset points", fontsize=7)
-    _pareto_oom(ax, df, ok, labels)
-    ax.margins(x=0.12, y=0.08)  # room for the run labels written to the right of each marker
-    ax.set_xlabel("peak allocated memory (MiB" + (", log scale)" if ax.get_xscale() == "log" else ")"))
-    ax.set_ylabel("iteration time (ms, median)")
-    model = f" of {df['model'].iloc[0]}" if "model" in df and df["model"].nunique() == 1 else ""
-    ax.set_title(f"Memory vs. speed{model}{on_device(df)} (lower-left is better)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    return save(fig, out, name)
-
-
-def paretos(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path | None]:
-    """One Pareto plot per model (pareto-<model>.png when there are several): a small model beats a
-    large one in both memory and time, so a shared front would say nothing about the techniques."""
-    from analysis.compare import by_model
-
-    return [pareto(part, part_labels, out,
-                   "pareto.png" if model is None else f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', str(model))}.png")
-            for model, part, part_labels in by_model(df, labels)]
-
-
-def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
-    """Stacked bars of where each ok run's peak memory went (MiB), total at the end of each bar.
-    A plan that ran nothing (predict_only) gets its predicted peaks split the same way."""
+def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> Path | None:
+    """Stacked bars of where each ok run's peak memory went (MiB), total at the end of each bar, each
+    run named by its setting label (`bases`: as in setting_names). A plan that ran nothing
+    (predict_only) gets its predicted peaks split the same way."""
     if df.empty:
         return None
     ok, prefix, title = df[is_status(df, "ok")], "breakdown", "Memory breakdown per run"
@@ -119,35 +45,46 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | No
     ok, parts = ok[keep], parts[keep].fillna(0.0)
     if ok.empty:
         return None
-    names = [run_label(r, labels) for _, r in ok.iterrows()]
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.45 * len(ok) + 1.5)))
+    named = setting_names(df, labels, bases)[ok.index]
+    order = table_order(named)  # top to bottom as the setting table lists the runs
+    ok, parts, names = ok.loc[order], parts.loc[order], [wrap(named[i], BAR_NAME_WIDTH) for i in order]
+    lines = max(n.count("\n") + 1 for n in names)
+    bar_in = max(0.4, lines * 8 * 1.25 / 72 + 0.15)  # inches per bar: its name's lines at 8 pt, and a gap
+    fig, ax = plt.subplots(figsize=(11, max(2.5, bar_in * len(ok) + 1.2)), layout="constrained", dpi=DPI)
     rows, left = np.arange(len(ok)), np.zeros(len(ok))
     for (_, text), col, colour in zip(COMPONENTS, cols, plt.cm.tab10.colors):
+        if not (parts[col] > 0).any():  # no bar anywhere (SGD's optimizer state): no legend entry either
+            continue
         ax.barh(rows, parts[col], left=left, color=colour, label=text, height=0.7)
         left += parts[col].to_numpy()
     for i, total in enumerate(left):
         ax.annotate(f"{total:,.0f}", (total, i), xytext=(4, 0), textcoords="offset points",
                     va="center", fontsize=8)
     ax.set_yticks(rows, names, fontsize=8)
-    ax.invert_yaxis()  # first run on top, like the table
+    ax.set_ylim(len(ok) - 0.5, -0.5)  # first run on top, like the table; no empty rows at the ends
     ax.set_xlim(0, left.max() * 1.15 if left.max() > 0 else 1)
     ax.set_xlabel("memory at peak (MiB)")
     ax.set_title(f"{title}{on_device(df)}")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a bar
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a bar
     ax.grid(axis="x", alpha=0.3)
     return save(fig, out, "breakdown.png")
 
 
-def _mark_oom(ax, sizes, unrun, y: float, text: bool) -> None:
+def _mark_oom(ax, sizes, unrun, y: float, text: bool) -> list:
     """Red x per OOM batch size at height y in axes coordinates (0 = x-axis, 1 = top); a grey hollow
-    circle per size that never ran because a smaller one ran out of memory (a ladder's "not run")."""
+    circle per size that never ran because a smaller one ran out of memory (a ladder's "not run").
+    With `text`, the word under each mark; returns those words."""
     tr = ax.get_xaxis_transform()  # x in data, y in axes fraction
     marks = [(b, dict(marker="x", color="red", mew=2), "OOM") for b in sizes]
     marks += [(b, dict(marker="o", color="0.5", mfc="none", mew=1.5), "not run") for b in unrun]
+    words = []
     for b, style, word in marks:
         ax.plot([b], [y], ms=9, transform=tr, clip_on=False, zorder=5, **style)
         if text:
-            ax.text(b, y - 0.05, word, color=style["color"], ha="center", va="top", fontsize=8, transform=tr)
+            words.append(ax.text(b, y - 0.05, word, color=style["color"], ha="center", va="top", fontsize=8,
+                                 transform=tr))
+    return words
 
 
 def _oom_key(oom, unrun, word: str, where: str = "") -> str:
@@ -156,12 +93,35 @@ def _oom_key(oom, unrun, word: str, where: str = "") -> str:
     return f" ({', '.join(keys)})" if keys else ""
 
 
-def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
-    """Peak memory and TFLOP/s vs batch size, one line per combination of the other labels. A plan
-    that ran nothing (predict_only) gets its predicted peaks alone, with the OOMs it predicted."""
+def _series(df: pd.DataFrame, ok: pd.DataFrame, others: list[str], labels: list[str], bases) -> list:
+    """(name, rows) per combination of the other labels, named by what it changes against the
+    baseline (change_name: "Baseline", "+ Block recompute"), fewest changes first."""
+    if not others or "status" not in df:
+        return list(series(ok, others))
+    base_of = baselines(df, labels, bases)
+    named = [(change_name(df.loc[rows.index[0]], df.loc[base_of[rows.index[0]]], others), rows)
+             for _, rows in series(ok, others)]
+    return sorted(named, key=lambda s: (changed(s[0]), s[0]))
+
+
+def _scan_lines(panels, named: list, plan: bool) -> None:
+    """One line per series in each (axes, column) panel; tab10's colours, then other markers and dashes."""
+    for i, (name, rows) in enumerate(named):
+        marker, ls = STYLES[i // 10 % len(STYLES)]
+        rows = rows.sort_values("batch_size")
+        for ax, col in panels:
+            r = rows[np.isfinite(rows[col])]
+            ax.plot(r["batch_size"], r[col], marker=marker, ls="--" if plan else ls, color=plt.cm.tab10.colors[i % 10],
+                    label=wrap(name, NAME_WIDTH))
+
+
+def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> Path | None:
+    """Peak memory and TFLOP/s vs batch size, one line per combination of the other labels (named as
+    in _series; `bases` as in setting_names). A plan that ran nothing (predict_only) gets its
+    predicted peaks alone, with the OOMs it predicted."""
     if df.empty or "batch_size" not in df:
         return None
-    df = df.assign(**{c: num(df, c) for c in ("batch_size", MEMORY, "tflops", "predicted_peak_mib")})
+    raw, df = df, df.assign(**{c: num(df, c) for c in ("batch_size", MEMORY, "tflops", "predicted_peak_mib")})
     df = df[np.isfinite(df["batch_size"])]
     ok, memory = df[is_status(df, "ok") & (np.isfinite(df[MEMORY]) | np.isfinite(df["tflops"]))], MEMORY
     plan = ok.empty
@@ -170,22 +130,45 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     if df["batch_size"].nunique() < 2 or ok.empty:
         return None
     others = [c for c in labels if c in df and c != "batch_size"]
-    fig, axes = plt.subplots(1, 1 if plan else 2, figsize=(6 if plan else 11, 4.5), sharex=True,
-                             squeeze=False)
+    named = _series(raw, ok, others, labels, bases)  # named from the rows as loaded (batch sizes as ints)
+    lines = sum(n.count("\n") + 1 for n in (wrap(n, NAME_WIDTH) for n, _ in named)) + 2
+    fig, axes = plt.subplots(1, 1 if plan else 2, figsize=((6 if plan else 11) + 3, max(4.5, lines * 0.16 + 1.5)),
+                             sharex=True, squeeze=False, layout="constrained", dpi=DPI)
     mem, tfl = axes[0][0], (None if plan else axes[0][1])
-    panels = [(mem, memory)] + ([] if plan else [(tfl, "tflops")])
-    for (name, rows), colour in zip(series(ok, others), plt.cm.tab10.colors * 10):
-        rows = rows.sort_values("batch_size")
-        for ax, col in panels:
-            r = rows[np.isfinite(rows[col])]
-            ax.plot(r["batch_size"], r[col], "o--" if plan else "o-", color=colour, label=name)
+    _scan_lines([(mem, memory)] + ([] if plan else [(tfl, "tflops")]), named, plan)
     never = skipped(df)
     oom = sorted(df.loc[is_status(df, "oom") & ~never, "batch_size"].unique())
     unrun = sorted(set(df.loc[never, "batch_size"]) - set(oom))  # an OOM of any series wins the size's mark
+    _memory_panel(mem, df, ok, memory, oom, unrun, plan)
+    if tfl is not None:
+        _throughput_panel(tfl, ok, oom, unrun)
+    handles, texts = mem.get_legend_handles_labels()  # the same series in both panels: one legend
+    if others or len(handles) > len(named):  # series worth naming, or the card's line
+        fig.legend(handles, texts, loc="outside right upper", fontsize=8,
+                   title="against the baseline" if others and "status" in df else None, title_fontsize=8)
+    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{on_device(df)}")
+    fig.draw_without_rendering()  # the layout, then what would collide in it
+    renderer = fig.canvas.get_renderer()
+    thin_ticks(mem.xaxis, renderer)
+    _inside(mem, renderer)
+    drop_crowded(mem.texts, renderer)  # "OOM" / "not run" words of neighbouring sizes: the title keys the marks
+    return save(fig, out, "batch_scan.png")
+
+
+def _inside(ax, renderer) -> None:
+    """A word under a mark at the axes' edge ends there instead of crossing it (ha right or left)."""
+    frame = ax.get_window_extent(renderer)
+    for word in ax.texts:
+        b = word.get_window_extent(renderer)
+        if b.x1 > frame.x1 or b.x0 < frame.x0:
+            word.set_horizontalalignment("right" if b.x1 > frame.x1 else "left")
+
+
+def _memory_panel(mem, df: pd.DataFrame, ok: pd.DataFrame, memory: str, oom, unrun, plan: bool) -> None:
+    """The memory panel's card line, OOM marks, log-2 batch axis and titles."""
     known = card(df)
-    line = None
     if known and known[0] <= 2 * ok[memory].max():  # a far bigger card would squash the lines flat
-        line = mem.axhline(known[0], color="red", ls=":", lw=1, label=known[1])
+        mem.axhline(known[0], color="red", ls=":", lw=1, label=known[1])
     mem.set_ylim(0, mem.get_ylim()[1] * 1.15)  # headroom for the OOM marks at the top
     _mark_oom(mem, oom, unrun, 1.0, text=True)
     sizes = sorted(df["batch_size"].unique())
@@ -197,22 +180,16 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | N
     mem.set(xlabel="batch size (samples per step)", ylabel=f"{predicted}peak allocated memory (MiB)",
             title=f"{predicted}peak memory".capitalize() + _oom_key(oom, unrun, f"{predicted}OOM"))
     mem.grid(alpha=0.3)
-    if plan and (others or line):
-        mem.legend(title=" / ".join(others) or None, fontsize=8)
-    elif line:  # measured runs are named in the TFLOP/s panel's legend
-        mem.legend(handles=[line], fontsize=8)
-    if tfl is not None:
-        tfl.set_ylim(bottom=0)
-        if not np.isfinite(ok["tflops"]).any():
-            tfl.text(0.5, 0.5, "no TFLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
-        _mark_oom(tfl, oom, unrun, 0.0, text=False)
-        tfl.set(xlabel="batch size (samples per step)", ylabel="TFLOP/s (model FLOPs per device)",
-                title="Throughput" + _oom_key(oom, unrun, "OOM", " on axis"))
-        tfl.grid(alpha=0.3)
-        if tfl.get_legend_handles_labels()[0]:  # no TFLOP/s line (CPU runs without them): no empty legend
-            tfl.legend(title=" / ".join(others) or None, fontsize=8)
-    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{on_device(df)}")
-    return save(fig, out, "batch_scan.png")
+
+
+def _throughput_panel(tfl, ok: pd.DataFrame, oom, unrun) -> None:
+    tfl.set_ylim(bottom=0)
+    if not np.isfinite(ok["tflops"]).any():
+        tfl.text(0.5, 0.5, "no TFLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
+    _mark_oom(tfl, oom, unrun, 0.0, text=False)
+    tfl.set(xlabel="batch size (samples per step)", ylabel="TFLOP/s (model FLOPs per device)",
+            title="Throughput" + _oom_key(oom, unrun, "OOM", " on axis"))
+    tfl.grid(alpha=0.3)
 
 
 def _curve(value) -> list[float] | None:
@@ -222,11 +199,30 @@ def _curve(value) -> list[float] | None:
     return [float(v) if v is not None else np.nan for v in value]
 
 
-def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
-    """The largest set (>= 2) of ok runs with curves that differ only in precision/optimizer; may be empty."""
+def measured_curve(row: pd.Series) -> tuple[np.ndarray, np.ndarray] | None:
+    """(optimizer step numbers, losses) of a run's measured steps, or None. metrics.losses holds
+    every optimizer step from the first, warm-up included (ablate/runner.py): the measured steps are
+    those after the run's warmup_steps, numbered as the run took them (step 1 is the first warm-up
+    step). A result without warmup_steps shows every step."""
+    y = _curve(row.get("losses"))
+    warmup = pd.to_numeric(row.get("warmup_steps"), errors="coerce")
+    warmup = int(warmup) if pd.notna(warmup) and warmup >= 0 else 0
+    if y is None or warmup >= len(y):
+        return None
+    return np.arange(warmup + 1, len(y) + 1), np.asarray(y[warmup:])
+
+
+def _with_curves(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok runs with a measured step's loss (measured_curve)."""
     if df.empty or "losses" not in df:
         return df.iloc[0:0]
-    runs = df[is_status(df, "ok") & df["losses"].map(lambda v: _curve(v) is not None)]
+    return df[is_status(df, "ok") & pd.Series([measured_curve(r) is not None for _, r in df.iterrows()],
+                                             index=df.index, dtype=bool)]
+
+
+def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
+    """The largest set (>= 2) of ok runs with curves that differ only in precision/optimizer; may be empty."""
+    runs = _with_curves(df)
     keys = [c for c in labels if c in runs and c.split(".")[0] not in LOSS_VARIANTS]  # optimizer.lr is the optimizer's
     if not keys:
         return runs if len(runs) >= 2 else runs.iloc[0:0]
@@ -236,31 +232,60 @@ def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     return runs.loc[best] if len(best) >= 2 else runs.iloc[0:0]
 
 
+def left_out(df: pd.DataFrame, group: pd.DataFrame, labels: list[str]) -> str:
+    """What the loss plot leaves out, "not shown: 12 runs that differ in checkpoint / batch size;
+    4 without a loss curve (2 oom, 1 error, 1 not run)", or ""."""
+    rest = _with_curves(df).drop(group.index)
+    fixed = [c for c in labels if c in group and c.split(".")[0] not in LOSS_VARIANTS]
+    differ = [c.replace("_", " ") for c in fixed if (as_text(rest, [c])[c] != as_text(group, [c])[c].iloc[0]).any()]
+    bare = df.drop(_with_curves(df).index)
+    parts = [f"{len(rest)} run{'s' if len(rest) != 1 else ''} that differ{'s' if len(rest) == 1 else ''} in "
+             + " / ".join(differ)] if len(rest) else []
+    if len(bare):
+        status = bare["status"].where(~skipped(bare), "not run") if "status" in bare else pd.Series("?", bare.index)
+        counts = status.value_counts()
+        parts.append(f"{len(bare)} without a loss curve ({', '.join(f'{n} {s}' for s, n in counts.items())})")
+    return "not shown: " + ";\n".join(parts) if parts else ""
+
+
 def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
-    """Per-step training loss of runs that differ only in precision and/or optimizer."""
+    """Training loss per measured step of the runs that differ only in precision and/or optimizer
+    (loss_group); the title names the runs left out."""
     group = loss_group(df, labels)
     if len(group) < 2:
         return None
     named = [c for c in labels if c in group and c.split(".")[0] in LOSS_VARIANTS and varies(group[c])]
     fixed = [c for c in labels if c in group and c.split(".")[0] not in LOSS_VARIANTS]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for _, row in group.iterrows():
-        y = _curve(row["losses"])
-        ax.plot(np.arange(1, len(y) + 1), y, lw=1.2, label=run_label(row, named))
+    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained", dpi=DPI)
+    first = []
+    for i, (_, row) in enumerate(group.iterrows()):
+        steps, y = measured_curve(row)
+        # dashes apart: precision changes often move a loss by less than a line's width
+        ax.plot(steps, y, lw=1.2, ls=("-", "--", ":", "-.")[i % 4], marker="." if len(steps) < 30 else None,
+                label=run_label(row, named))
+        first.append(steps[0])
+    last = max(line.get_xdata()[-1] for line in ax.get_lines())
+    ax.set_xlim(min(first), max(last, min(first) + 1))  # from the first measured step: warm-up is not shown
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
-    ax.set_xlabel("optimizer step")
+    warm = min(first) - 1
+    ax.set_xlabel("optimizer step" + (f" (measured steps; warm-up steps 1–{warm} not shown)" if warm > 1 else
+                                      " (measured steps; warm-up step 1 not shown)" if warm == 1 else ""))
     ax.set_ylabel("training loss (cross-entropy, nats)")
     where = ", ".join(f"{c}={fmt(group[c].iloc[0])}" for c in fixed)
-    ax.set_title(f"Training loss{on_device(df)}" + (f" ({where})" if where else ""))
-    ax.legend(title=" / ".join(named) or None, fontsize=8)
+    note = left_out(df, group, labels)
+    title = [f"Training loss{on_device(df)}", *textwrap.wrap(f"runs with {where}" if where else "", 100),
+             *(line for part in note.split("\n") for line in textwrap.wrap(part, 100))]
+    ax.set_title("\n".join(title), fontsize=10)
+    ax.legend(title=" / ".join(named) or None, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(alpha=0.3)
     return save(fig, out, "loss_curves.png")
 
 
-def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path) -> list[Path]:
-    """Every plot that has something to show; returns the PNGs written."""
+def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> list[Path]:
+    """Every plot that has something to show; returns the PNGs written. `bases`: each row's
+    baseline (compare.baselines), which names the runs as the setting table does; None: computed."""
     from analysis.where import module_breakdown  # reads the runs' memory_by_module.csv files
 
-    paths = [*paretos(df, labels, out),
-             *(plot(df, labels, out) for plot in (breakdown, batch_scan, loss_curves, module_breakdown))]
+    paths = [*paretos(df, labels, out, bases), breakdown(df, labels, out, bases), batch_scan(df, labels, out, bases),
+             loss_curves(df, labels, out), module_breakdown(df, labels, out)]
     return [p for p in paths if p is not None]
