@@ -152,9 +152,6 @@ def families(df: pd.DataFrame, labels: list[str], cols: list[str] | None = None
     return parts
 
 
-by_model = families  # the name analysis/plots.py knew it by
-
-
 def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None,
               cols: list[str] | None = None) -> pd.Series:
     """Each row's baseline row (an index of df): one per family (families()). `--baseline` picks it

@@ -191,7 +191,7 @@ def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
     from analysis.where import SNAPSHOT_NOTE, snapshot_table
 
     df, labels = view.df, view.labels
-    images = all_plots(df, labels, out)  # TODO bases once plots take them
+    images = all_plots(df, labels, out, view.bases)
     parts = sections(df, labels, view.bases, tuple(args.table or TABLES), view.ladder, view.families)
     snapshots, notes = snapshot_table(df, labels, out), {}
     if not snapshots.empty:  # CUDA runs: their allocator snapshots, linked
