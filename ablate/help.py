@@ -9,7 +9,7 @@ import re
 import tokenize
 from dataclasses import fields
 
-from ablate.schema import CONF, GROUPS, Config, options
+from ablate.schema import CONF, GROUPS, OVERLAYS, Config, options
 
 WIDTH = 110  # a line of the help, at most
 
@@ -57,7 +57,7 @@ def text() -> str:
     """The groups, each option with its line, then the run keys with theirs."""
     out = ["== Configuration groups ==",
            "Pick one option per group (group=option), or sweep several with -m (group=a,b):", ""]
-    for group in (*GROUPS, "experiment"):
+    for group in (*GROUPS, *OVERLAYS):
         out.append(f"{group}:")
         out += [f"  {option:<22}  {option_line(group, option)}".rstrip() for option in options(group)]
     out += ["", "== Run keys ==", "Set any with key=value (sweep with -m key=a,b); the whole config: --cfg job", ""]

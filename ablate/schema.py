@@ -19,6 +19,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss")
+# Groups of `# @package _global_` overlays over the whole config, not techniques (no result "choice"):
+# a preset (experiment=leanest), and a scale of any preset (scale=cpu), applied after it.
+OVERLAYS = ("experiment", "scale")
 
 # Keys that change where or whether a point runs, never what it measures: left out of run_id.
 NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir", "predict", "predict_only", "prune", "prune_margin",
@@ -100,11 +103,11 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 def option_defaults(group: str, option: str) -> dict:
     """An option's values as its file gives them (conf/<group>/<option>.yaml), on top of the
     options of its group that its `defaults` list names (gpt-mini.yaml extends gpt2.yaml, its
-    _target_ and vocab_size included); {} if none. An experiment's `override /group` entries stay
-    in its `defaults`."""
+    _target_ and vocab_size included); {} if none. An overlay's (experiment, scale) `override /group`
+    entries stay in its `defaults`."""
     path = CONF / group / f"{option}.yaml"
     own = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else {}
-    if group == "experiment":
+    if group in OVERLAYS:
         return own
     merged = {}
     for entry in own.pop("defaults", []):
@@ -148,14 +151,15 @@ def belongs_to(group: str, key: str) -> str:
 
 def _chosen(group: str, overrides: list) -> list[str]:
     """The option(s) of `group` a command line runs: the ones it names (group=a,b), else the one
-    its experiment puts there, else conf/config.yaml's default. [] when that cannot be told."""
+    its scale or experiment puts there, else conf/config.yaml's default. [] when that cannot be told."""
     for o in overrides:
         if o.key_or_group == group and not (o.is_add() or o.is_delete()):
             return [str(v) for v in (o.sweep_string_iterator() if o.is_sweep_override() else [o.value()])]
-    experiments = [o.value() for o in overrides if o.key_or_group == "experiment" and not o.is_sweep_override()]
-    for entry in option_defaults("experiment", experiments[0]).get("defaults", []) if experiments else []:
-        if isinstance(entry, dict) and f"override /{group}" in entry:
-            return [entry[f"override /{group}"]]
+    for overlay in reversed(OVERLAYS):  # the later in config.yaml's defaults wins (scale=cpu's model)
+        names = [o.value() for o in overrides if o.key_or_group == overlay and not o.is_sweep_override()]
+        for entry in option_defaults(overlay, str(names[0])).get("defaults", []) if names else []:
+            if isinstance(entry, dict) and f"override /{group}" in entry:
+                return [entry[f"override /{group}"]]
     if any(o.key_or_group == "experiment" for o in overrides):  # a sweep over experiments, or one whose
         return []  # ladder rungs may pick the option: not known before composition
     return [entry[group] for entry in _root_defaults() if isinstance(entry, dict) and group in entry]
@@ -227,7 +231,7 @@ def unknown_key(argv: list[str]) -> str | None:
         if o.is_delete() or o.is_force_add():
             continue
         head, _, rest = o.key_or_group.replace("/", ".").partition(".")
-        if (head in GROUPS or head == "experiment") and not rest and not o.is_add():
+        if (head in GROUPS or head in OVERLAYS) and not rest and not o.is_add():
             errors.append(_option_error(o, options(head)))
             continue
         if o.is_add():
@@ -243,7 +247,7 @@ def unknown_key(argv: list[str]) -> str | None:
                               + ", ".join(prefix + k for k in option_takes(head, lacking[0])) + ".")
                 continue
         else:
-            prefix, key, valid = "", head, [f.name for f in fields(Config)] + ["experiment", "hydra"]
+            prefix, key, valid = "", head, [f.name for f in fields(Config)] + [*OVERLAYS, "hydra"]
             if key in RUN_TYPES and not rest:
                 errors.append(_wrong_type(o, RUN_TYPES[key]))
         if key not in valid:
