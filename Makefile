@@ -9,9 +9,6 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_FLOOR := 2.11
 DEMO_DIR ?= outputs/sweeps/demo
-# pip byte-compiles every file it installs: torch's install took 36 s with that and 15 s without
-# (2-core VM, 2026-11-25). Python compiles the modules a run imports, on first use, instead.
-PIP := $(PY) -m pip install -q --no-compile
 
 .PHONY: demo test test-slow install install-dev clean
 
@@ -20,15 +17,15 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.torch: | $(PY)
-	$(PY) -c "import sys, importlib.metadata as m; ver = lambda v: tuple(int(x) for x in v.split('+')[0].split('.')[:2]); sys.exit(ver(m.version('torch')) < ver('$(TORCH_FLOOR)'))" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
+	$(PY) -c "import sys, importlib.metadata as m; ver = lambda v: tuple(int(x) for x in v.split('+')[0].split('.')[:2]); sys.exit(ver(m.version('torch')) < ver('$(TORCH_FLOOR)'))" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) -e .
+	$(PY) -m pip install -q -e .
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
-	$(PIP) -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 install: $(VENV)/.installed
