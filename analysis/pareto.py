@@ -6,6 +6,7 @@ MiB = 2^20 bytes; times in ms.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from pathlib import Path
@@ -14,7 +15,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.figure import DPI, card, is_status, num, on_device, plt, save, setting_names, skipped, table_order, wrap
+from analysis.figure import (DPI, card, changed, is_status, num, on_device, plt, save, setting_names, skipped,
+                             table_order, wrap)
 from analysis.place import box, numbered, place
 
 MEMORY = "peak_allocated_mib"
@@ -30,6 +32,11 @@ FONT = 7.5  # points, labels and key
 KEY_WIDTH = 48  # characters per line of a name in the key
 LINE_IN = FONT * 1.45 / 72  # inches per line of the key, its spacing included
 KEY_LINES = 75  # lines of the key in one column (about 11 inches); two columns past that
+# Past this many points only the Pareto front's are numbered and listed, the others drawn as dots: a
+# key of hundreds of names is read by no one (the setting table lists every run), and placing a
+# number for each took minutes at 500 points.
+LISTED = 40
+LISTED_OOMS = 10  # OOMs named in the key; past that they are counted
 
 
 def pareto_front(points) -> list[int]:
@@ -98,12 +105,18 @@ def _legend(fig, ax, key: list[tuple[object, str]], cols: int = 1):
     return fig.legend(handles, texts, loc="outside right upper", fontsize=FONT, handlelength=1.6, ncols=cols)
 
 
-def _key(names: list[str], oom_names: list[str]) -> list[tuple[object, str]]:
-    """'number  name' per point (the name wrapped, its later lines indented), and each OOM by name."""
+def _key(names: list[str], oom_names: list[str], unlisted: int = 0) -> list[tuple[object, str]]:
+    """'number  name' per point (the name wrapped, its later lines indented), a line for the
+    `unlisted` points, and each OOM by name (counted past LISTED_OOMS)."""
     cross = Line2D([], [], ls="none", marker="x", color="red")
     indent = "\n" + " " * 6
-    return ([(None, f"{k:>2}  " + wrap(n, KEY_WIDTH).replace("\n", indent)) for k, n in enumerate(names, 1)]
-            + [(cross, wrap(n, KEY_WIDTH) + " (OOM)") for n in oom_names])
+    key = [(None, f"{k:>2}  " + wrap(n, KEY_WIDTH).replace("\n", indent)) for k, n in enumerate(names, 1)]
+    if unlisted:
+        key.append((None, wrap(f"numbered: the baseline and the Pareto front; {unlisted} other runs are the "
+                               "dots without a number (the setting table lists every run)", KEY_WIDTH)))
+    if len(oom_names) > LISTED_OOMS:
+        return key + [(cross, wrap(f"{len(oom_names)} runs out of memory (the setting table names them)", KEY_WIDTH))]
+    return key + [(cross, wrap(n, KEY_WIDTH) + " (OOM)") for n in oom_names]
 
 
 def _name_beside(ax, pts, names, radii, oom_at, oom_names) -> bool:
@@ -158,13 +171,18 @@ def pareto(df: pd.DataFrame, labels: list[str], out: str | Path, name: str = "pa
         if _name_beside(ax, pts, point_names, radii, oom_at, oom_names):
             return save(fig, out, name)
         legend.remove()
-    _number(fig, ax, pts, radii, point_names, oom_at, oom_names)
+    # past LISTED points, the baseline's and the front's alone, in the setting table's order
+    base = {i for i, n in enumerate(point_names) if changed(n) == 0}
+    listed = list(range(len(pts))) if len(pts) <= LISTED else sorted(base | set(front))[:LISTED]
+    _number(fig, ax, pts, radii, point_names, oom_at, oom_names, listed)
     return save(fig, out, name)
 
 
-def _number(fig, ax, pts, radii, names: list[str], oom_at, oom_names: list[str]) -> None:
-    """Numbers beside the points, "number  name" in the legend (the figure grows to hold it)."""
-    key = _key(names, oom_names)
+def _number(fig, ax, pts, radii, names: list[str], oom_at, oom_names: list[str], listed: list[int]) -> None:
+    """Numbers beside the `listed` points, "number  name" in the legend (the figure grows to hold
+    it); the other points' markers kept clear of where they can be."""
+    rest = sorted(set(range(len(pts))) - set(listed))
+    key = _key([names[i] for i in listed], oom_names, len(rest))
     lines = [1] * 4 + [t.count("\n") + 1 for _, t in key]  # per entry, the marks' own four at most first
     cols = 1 if sum(lines) <= KEY_LINES else 2  # side by side past KEY_LINES: the plot would grow thin and tall
     per = math.ceil(len(lines) / cols)  # entries per column, as the legend splits them
@@ -176,7 +194,8 @@ def _number(fig, ax, pts, radii, names: list[str], oom_at, oom_names: list[str])
     if oom_at is not None:
         avoid = [box(a, fig.canvas.get_renderer())
                  for a in place(ax, [oom_at], ["OOM"], [CROSS], fontsize=FONT, color="red")[0]]
-    numbered(ax, pts, radii, avoid, fontsize=FONT, fontweight="bold")
+    numbered(ax, [pts[i] for i in listed], [radii[i] for i in listed], avoid, fontsize=FONT, fontweight="bold",
+             others=([pts[i] for i in rest], [radii[i] for i in rest]))
 
 
 def paretos(df: pd.DataFrame, labels: list[str], out: str | Path,
@@ -184,8 +203,14 @@ def paretos(df: pd.DataFrame, labels: list[str], out: str | Path,
     """One Pareto plot per family of comparable runs (compare.families: one per model, seq_len, ...),
     pareto-<family>.png when there are several: a small model beats a large one in both memory and
     time, so a shared front would say nothing about the techniques."""
+    return [job() for job in pareto_jobs(df, labels, out, bases)]
+
+
+def pareto_jobs(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> list:
+    """paretos' plots as calls to make (functools.partial), one per family."""
     from analysis.compare import families
 
-    return [pareto(part, part_labels, out, "pareto.png" if title is None else
-                   f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', title.replace('model=', ''))}.png", bases, title)
+    return [functools.partial(pareto, part, part_labels, out, "pareto.png" if title is None else
+                              f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', title.replace('model=', ''))}.png",
+                              bases, title)
             for title, part, part_labels in families(df, labels)]

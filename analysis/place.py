@@ -33,8 +33,29 @@ def _inside(b: Bbox, frame: Bbox) -> bool:
     return frame.x0 <= b.x0 and b.x1 <= frame.x1 and frame.y0 <= b.y0 and b.y1 <= frame.y1
 
 
-def _spot(ax, renderer, xy, text: str, radius: float, frame: Bbox, avoid: list[Bbox], style: dict):
-    """The annotation at the first free spot around `xy`, or None (nothing left drawn)."""
+def _extents(boxes) -> np.ndarray:
+    """Boxes as an (n, 4) array of x0, y0, x1, y1, each interval in order (as Bbox.overlaps takes it)."""
+    e = np.array([b.extents for b in boxes], dtype=float).reshape(-1, 4)
+    return np.hstack([np.minimum(e[:, :2], e[:, 2:]), np.maximum(e[:, :2], e[:, 2:])])
+
+
+def _clear(b: Bbox, boxes: np.ndarray) -> bool:
+    """Whether `b` overlaps none of `boxes` (_extents), edges touching counted as overlap: Bbox.overlaps
+    against every box at once (one by one in Python was seconds for a plot of hundreds of points)."""
+    x0, y0, x1, y1 = _extents([b])[0]
+    return not np.any((x0 <= boxes[:, 2]) & (boxes[:, 0] <= x1) & (y0 <= boxes[:, 3]) & (boxes[:, 1] <= y1))
+
+
+def _markers(ax, points, radii) -> np.ndarray:
+    """Each marker's box (_extents, pixels): its point, its radius (points) to each side."""
+    px = ax.transData.transform(np.asarray(points, dtype=float).reshape(-1, 2))
+    r = np.asarray(radii, dtype=float).reshape(-1, 1) * (ax.figure.dpi / 72)
+    return np.hstack([px - r, px - r + 2 * r])
+
+
+def _spot(ax, renderer, xy, text: str, radius: float, frame: Bbox, avoid: np.ndarray, style: dict):
+    """The annotation at the first free spot around `xy` clear of `avoid` (_extents), or None
+    (nothing left drawn)."""
     ann = ax.annotate(text, xy, xytext=(0, 0), textcoords="offset points", annotation_clip=False, **style)
     for gap in GAPS:
         r = radius + gap
@@ -42,7 +63,7 @@ def _spot(ax, renderer, xy, text: str, radius: float, frame: Bbox, avoid: list[B
             ann.xyann = (dx * r, dy * r)
             ann.set(horizontalalignment=ha, verticalalignment=va)
             b = box(ann, renderer)
-            if _inside(b, frame) and not any(b.overlaps(o) for o in avoid):
+            if _inside(b, frame) and _clear(b, avoid):
                 if gap != GAPS[0]:  # far from its point: a leader line says whose label it is
                     ann.remove()
                     ann = ax.annotate(text, xy, xytext=(dx * r, dy * r), textcoords="offset points",
@@ -55,23 +76,24 @@ def _spot(ax, renderer, xy, text: str, radius: float, frame: Bbox, avoid: list[B
     return None
 
 
-def place(ax, points, texts, radii, avoid=(), over_markers: bool = True, **style) -> tuple[list, int | None]:
+def place(ax, points, texts, radii, avoid=(), over_markers: bool = True, others=((), ()),
+          **style) -> tuple[list, int | None]:
     """Annotate each of `points` (data coordinates) with its text, `radii`: each marker's radius
     (points). A label keeps clear of every label placed and of `avoid` (boxes), and of every marker
-    where it can (`over_markers`: else where none is free). Returns (the annotations, None), or
-    ([], i) with nothing drawn when no spot is free for points[i]."""
+    where it can (`over_markers`: else where none is free), the markers of `others` (points, radii:
+    drawn but not labelled) included. Returns (the annotations, None), or ([], i) with nothing
+    drawn when no spot is free for points[i]."""
     if not len(points):
         return [], None
     renderer = ax.figure.canvas.get_renderer()
     px = ax.transData.transform(np.asarray(points, dtype=float))
     scale = ax.figure.dpi / 72  # pixels per point
     frame = ax.get_window_extent(renderer)
-    markers = [Bbox.from_bounds(x - r * scale, y - r * scale, 2 * r * scale, 2 * r * scale)
-               for (x, y), r in zip(px, radii)]
-    taken, done = list(avoid), []
+    markers = np.vstack([_markers(ax, points, radii), _markers(ax, *others)])
+    taken, done = _extents(avoid), []
     near = ((px[:, None] - px[None]) ** 2).sum(-1) < (CROWD * scale) ** 2
     for i in sorted(range(len(px)), key=lambda i: -near[i].sum()):  # the crowded first: stable for ties
-        ann = _spot(ax, renderer, points[i], texts[i], radii[i], frame, taken + markers, style)
+        ann = _spot(ax, renderer, points[i], texts[i], radii[i], frame, np.vstack([taken, markers]), style)
         if ann is None and over_markers:  # crowded: over another marker rather than no label
             ann = _spot(ax, renderer, points[i], texts[i], radii[i], frame, taken, style)
         if ann is None:
@@ -79,14 +101,15 @@ def place(ax, points, texts, radii, avoid=(), over_markers: bool = True, **style
                 a.remove()
             return [], i
         done.append(ann)
-        taken.append(box(ann, renderer))
+        taken = np.vstack([taken, _extents([box(ann, renderer)])])
     return done, None
 
 
-def numbered(ax, points, radii, avoid=(), first: int = 1, **style) -> list:
+def numbered(ax, points, radii, avoid=(), first: int = 1, others=((), ()), **style) -> list:
     """Number the points first, first + 1, ... beside them, no two numbers overlapping: points whose
     markers coincide share one label ("3, 9"), and a point left with no free spot joins the label of
-    its nearest neighbour (so a single label remains at worst). Returns the annotations."""
+    its nearest neighbour (so a single label remains at worst). `others`: as in place. Returns the
+    annotations."""
     px = ax.transData.transform(np.asarray(points, dtype=float))
     scale = ax.figure.dpi / 72
     groups: list[list[int]] = []
@@ -96,11 +119,11 @@ def numbered(ax, points, radii, avoid=(), first: int = 1, **style) -> list:
     while True:
         texts = [", ".join(str(first + i) for i in g) for g in groups]
         anns, failed = place(ax, [points[g[0]] for g in groups], texts, [max(radii[i] for i in g) for g in groups],
-                             avoid, **style)
+                             avoid, others=others, **style)
         if failed is None:
             return anns
         if len(groups) == 1:  # one label left: anywhere inside the axes clear of `avoid`
-            return place(ax, [points[groups[0][0]]], texts, [0.0], avoid, **style)[0]
+            return place(ax, [points[groups[0][0]]], texts, [0.0], avoid, others=others, **style)[0]
         lost = groups.pop(failed)
         nearest = min(groups, key=lambda g: np.hypot(*(px[g[0]] - px[lost[0]])))
         nearest[:] = sorted(nearest + lost)

@@ -6,6 +6,7 @@ data has nothing to show. Memory is the torch allocator's peak of allocated byte
 """
 from __future__ import annotations
 
+import functools
 import textwrap
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from matplotlib.ticker import MaxNLocator
 from analysis.compare import varies
 from analysis.figure import (DPI, as_text, baselines, card, change_name, changed, fmt, is_status, num, on_device, plt,
                              run_label, save, series, setting_names, skipped, table_order, wrap)
-from analysis.pareto import pareto, pareto_front, paretos  # noqa: F401  (the report's plots, one import)
+from analysis.pareto import pareto, pareto_front, pareto_jobs, paretos  # noqa: F401  (the report's plots, one import)
 from analysis.place import drop_crowded, thin_ticks
 
 MEMORY = "peak_allocated_mib"
@@ -28,6 +29,11 @@ NAME_WIDTH = 48  # characters per line of a run's name in a legend
 BAR_NAME_WIDTH = 64  # ... and beside a bar: two lines hold most names
 # (marker, line style) per ten series, tab10's colours repeating within each: 40 series stay apart
 STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."))
+# Bars of the breakdown and lines of the batch scan: the first this many in the setting table's order
+# (fewest changes first), the title counting the rest. Hundreds of either make a figure tens of
+# thousands of pixels tall that no one reads, drawn in minutes; the tables and runs.csv hold them all.
+MAX_BARS = 40
+MAX_LINES = len(STYLES) * 10
 
 
 def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> Path | None:
@@ -47,6 +53,8 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Se
         return None
     named = setting_names(df, labels, bases)[ok.index]
     order = table_order(named)  # top to bottom as the setting table lists the runs
+    title += f" (the first {MAX_BARS} of {len(order)} in the setting table's order)" if len(order) > MAX_BARS else ""
+    order = order[:MAX_BARS]
     ok, parts, names = ok.loc[order], parts.loc[order], [wrap(named[i], BAR_NAME_WIDTH) for i in order]
     lines = max(n.count("\n") + 1 for n in names)
     bar_in = max(0.4, lines * 8 * 1.25 / 72 + 0.15)  # inches per bar: its name's lines at 8 pt, and a gap
@@ -99,8 +107,10 @@ def _series(df: pd.DataFrame, ok: pd.DataFrame, others: list[str], labels: list[
     if not others or "status" not in df:
         return list(series(ok, others))
     base_of = baselines(df, labels, bases)
-    named = [(change_name(df.loc[rows.index[0]], df.loc[base_of[rows.index[0]]], others), rows)
-             for _, rows in series(ok, others)]
+    parts = [rows for _, rows in series(ok, others)]
+    first = [rows.index[0] for rows in parts]
+    runs = dict(df.loc[list(dict.fromkeys([*first, *base_of[first]]))].iterrows())  # each row once, not a .loc each
+    named = [(change_name(runs[i], runs[base_of[i]], others), rows) for i, rows in zip(first, parts)]
     return sorted(named, key=lambda s: (changed(s[0]), s[0]))
 
 
@@ -131,6 +141,8 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.S
         return None
     others = [c for c in labels if c in df and c != "batch_size"]
     named = _series(raw, ok, others, labels, bases)  # named from the rows as loaded (batch sizes as ints)
+    shown = f"\n(the first {MAX_LINES} of {len(named)} lines, fewest changes first)" if len(named) > MAX_LINES else ""
+    named = named[:MAX_LINES]
     lines = sum(n.count("\n") + 1 for n in (wrap(n, NAME_WIDTH) for n, _ in named)) + 2
     fig, axes = plt.subplots(1, 1 if plan else 2, figsize=((6 if plan else 11) + 3, max(4.5, lines * 0.16 + 1.5)),
                              sharex=True, squeeze=False, layout="constrained", dpi=DPI)
@@ -146,7 +158,7 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.S
     if others or len(handles) > len(named):  # series worth naming, or the card's line
         fig.legend(handles, texts, loc="outside right upper", fontsize=8,
                    title="against the baseline" if others and "status" in df else None, title_fontsize=8)
-    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{on_device(df)}")
+    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{on_device(df)}{shown}")
     fig.draw_without_rendering()  # the layout, then what would collide in it
     renderer = fig.canvas.get_renderer()
     thin_ticks(mem.xaxis, renderer)
@@ -216,8 +228,9 @@ def _with_curves(df: pd.DataFrame) -> pd.DataFrame:
     """The ok runs with a measured step's loss (measured_curve)."""
     if df.empty or "losses" not in df:
         return df.iloc[0:0]
-    return df[is_status(df, "ok") & pd.Series([measured_curve(r) is not None for _, r in df.iterrows()],
-                                             index=df.index, dtype=bool)]
+    rows = df.reindex(columns=["losses", "warmup_steps"]).to_dict("records")  # not a Series of every column each
+    curves = pd.Series([measured_curve(r) is not None for r in rows], index=df.index, dtype=bool)
+    return df[is_status(df, "ok") & curves]
 
 
 def loss_group(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
@@ -284,8 +297,24 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
 def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> list[Path]:
     """Every plot that has something to show; returns the PNGs written. `bases`: each row's
     baseline (compare.baselines), which names the runs as the setting table does; None: computed."""
+    return [p for p in (job() for job in plot_jobs(df, labels, out, bases)) if p is not None]
+
+
+# The figures that take longest over 1,000 runs (on the 2-core VM 2.1, 1.6 and 1.3 s, against 1.0 s
+# per Pareto plot and 0.5 s for the loss curves): drawn first when drawn side by side.
+SLOWEST = ("module_breakdown", "batch_scan", "breakdown")
+
+
+def slowest_first(jobs: list) -> list[int]:
+    """The indices of plot_jobs' SLOWEST jobs, slowest first (figure.drawn's `first`)."""
+    return [i for name in SLOWEST for i, job in enumerate(jobs) if job.func.__name__ == name]
+
+
+def plot_jobs(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> list:
+    """all_plots' plots as calls to make (functools.partial), in the report's order: each draws one
+    figure of its own, so they can be drawn side by side (figure.drawn)."""
     from analysis.where import module_breakdown  # reads the runs' memory_by_module.csv files
 
-    paths = [*paretos(df, labels, out, bases), breakdown(df, labels, out, bases), batch_scan(df, labels, out, bases),
-             loss_curves(df, labels, out), module_breakdown(df, labels, out)]
-    return [p for p in paths if p is not None]
+    return [*pareto_jobs(df, labels, out, bases), functools.partial(breakdown, df, labels, out, bases),
+            functools.partial(batch_scan, df, labels, out, bases), functools.partial(loss_curves, df, labels, out),
+            functools.partial(module_breakdown, df, labels, out)]

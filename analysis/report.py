@@ -184,19 +184,27 @@ def compare_runs(df: pd.DataFrame, args: argparse.Namespace) -> View:
     return View(df, labels, families, bases, ladder, provenance.about(df) + ([("", split)] if split else []))
 
 
-def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
-    """The files under `out` and the chosen format on stdout."""
-    out.mkdir(parents=True, exist_ok=True)
-    from analysis.plots import all_plots  # matplotlib only when plotting
+def tables_of(view: View, args: argparse.Namespace, out: Path) -> tuple[list[tuple[str, pd.DataFrame]], dict]:
+    """(sections, the notes under their headings): the tables asked for, and the memory snapshots."""
     from analysis.where import SNAPSHOT_NOTE, snapshot_table
 
-    df, labels = view.df, view.labels
-    images = all_plots(df, labels, out, view.bases)
-    parts = sections(df, labels, view.bases, tuple(args.table or TABLES), view.ladder, view.families)
-    snapshots, notes = snapshot_table(df, labels, out), {}
+    parts = sections(view.df, view.labels, view.bases, tuple(args.table or TABLES), view.ladder, view.families)
+    snapshots, notes = snapshot_table(view.df, view.labels, out), {}
     if not snapshots.empty:  # CUDA runs: their allocator snapshots, linked
         parts.append(("Memory snapshots", snapshots))
         notes["Memory snapshots"] = SNAPSHOT_NOTE
+    return parts, notes
+
+
+def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
+    """The files under `out` and the chosen format on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    from analysis.figure import drawn  # matplotlib only when plotting
+    from analysis.plots import plot_jobs, slowest_first
+
+    df, labels = view.df, view.labels
+    jobs = plot_jobs(df, labels, out, view.bases)
+    (parts, notes), images = drawn(jobs, lambda: tables_of(view, args, out), first=slowest_first(jobs))
     footnote = cells.footnote(cells.on_cpu(df))
     about = [f"- {name}: {value}" if name else f"\n{value}" for name, value in view.about]
     text = render(view.title, about, parts, labels, images, notes, footnote)

@@ -122,12 +122,13 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
     """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row), less
     the columns that no row has a value in."""
     base, memory = df.loc[base_i], memory_heading(df)
+    runs = dict(df.iterrows())  # each row once: df.loc per row costs a millisecond
+    order = list(df.index)
     if not ladder:  # published tables open with the baseline, then one change, then two...; a ladder keeps its order
-        rest = sorted(df.index.drop(base_i), key=lambda i: len(changes(df.loc[i], base, labels)))  # stable
-        df = df.loc[[base_i, *rest]]
+        order = [base_i, *sorted(df.index.drop(base_i), key=lambda i: len(changes(runs[i], base, labels)))]  # stable
     rows, prev_any = [], None
     prev = {}  # the last ok row and the last predicted one: a delta never mixes the two
-    for _, row in df.iterrows():
+    for row in map(runs.get, order):
         ok = row["status"] == "ok"
         # A ladder's row names what it adds to the row above; otherwise what differs from the baseline.
         ref = prev_any if ladder and prev_any is not None else base
@@ -149,31 +150,50 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
     return filled(pd.DataFrame(rows), keep=["Setting", memory])  # a plan has no latencies
 
 
+# What a batch table reads of a run: its rows are these columns as dicts, made once. Pandas per
+# table and per row (groupby parts, iterrows over 200 columns) took seconds over 1,000 runs.
+BATCH_COLUMNS = ("batch_size", "status", "reason", MEMORY, "predicted_peak_mib", "gpu_util_pct_mean",
+                 "gpu_util_pct_std", "tflops", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90")
+
+
 def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
     """Batch Size | Memory (MiB) | GPU Usage % | TFLOP/s | Iteration Time (ms), one table per
     combination of the other varied columns (in the order the rows come: a ladder's rung order),
     rows up to and including the first OOM."""
     others = [c for c in labels if c != "batch_size"]
+    cols = list(dict.fromkeys([*others, *(c for c in BATCH_COLUMNS if c in df)]))
+    parts: dict[tuple, list[dict]] = {}  # as groupby(others, sort=False, dropna=False): nulls are one key
+    for row in df[cols].to_dict("records"):
+        parts.setdefault(tuple(None if pd.isna(row[c]) else row[c] for c in others), []).append(row)
     tables = {}
-    for key, part in (df.groupby(others, sort=False, dropna=False) if others else [((), df)]):
-        key = key if isinstance(key, tuple) else (key,)
-        title = ", ".join(f"{c}={v}" for c, v in zip(others, key) if pd.notna(v)) or "all runs"  # null: unset
+    for key, part in parts.items():
+        title = ", ".join(f"{c}={v}" for c, v in zip(others, key) if v is not None) or "all runs"  # null: unset
+        part = sorted(part, key=lambda row: row["batch_size"])  # stable: ties keep the rows' order
+        rate, rates = flops(pd.Series([r["tflops"] if r["status"] == "ok" else None for r in part], dtype=object))
         rows = []
-        part = part.sort_values("batch_size")
-        rate, rates = flops(part["tflops"].where(part["status"] == "ok"))
-        for (_, row), flop_rate in zip(part.iterrows(), rates):
-            ok = row["status"] == "ok"
-            util = (f"{row['gpu_util_pct_mean']:.1f} +/- {row['gpu_util_pct_std']:.1f}"
-                    if ok and pd.notna(row.get("gpu_util_pct_mean")) and pd.notna(row.get("gpu_util_pct_std")) else "")
-            rows.append({"Batch Size": str(row["batch_size"]),
-                         "Memory (MiB)": mib(row[MEMORY]) if ok else failed(row),
-                         "GPU Usage %": util, rate: flop_rate,
-                         "Iteration Time (ms)": num(row["iter_time_ms"], ".2f") if ok else "",
-                         "p10–p90 (ms)": spread(row) if ok else ""})
+        for row, flop_rate in zip(part, rates):
+            rows.append(_batch_row(row, rate, flop_rate))
             if row["status"] == "oom":
                 break  # larger batches are OOM too: the first one says it
-        tables[title] = filled(pd.DataFrame(rows), keep=["Batch Size", "Memory (MiB)"])  # a plan measured nothing
+        tables[title] = _filled(rows, keep=["Batch Size", "Memory (MiB)"])  # a plan measured nothing
     return tables
+
+
+def _batch_row(row: dict, rate: str, flop_rate: str) -> dict:
+    """One run's cells in a batch table (`rate`: the FLOP column's heading)."""
+    ok = row["status"] == "ok"
+    util = (f"{row['gpu_util_pct_mean']:.1f} +/- {row['gpu_util_pct_std']:.1f}"
+            if ok and pd.notna(row.get("gpu_util_pct_mean")) and pd.notna(row.get("gpu_util_pct_std")) else "")
+    return {"Batch Size": str(row["batch_size"]), "Memory (MiB)": mib(row[MEMORY]) if ok else failed(row),
+            "GPU Usage %": util, rate: flop_rate,
+            "Iteration Time (ms)": num(row["iter_time_ms"], ".2f") if ok else "",
+            "p10–p90 (ms)": spread(row) if ok else ""}
+
+
+def _filled(rows: list[dict], keep: list[str]) -> pd.DataFrame:
+    """cells.filled on rows of display strings, before they become a table (a DataFrame per column
+    check is the slow part of hundreds of small tables)."""
+    return pd.DataFrame(rows, columns=[c for c in rows[0] if c in keep or any(r[c] for r in rows)])
 
 
 # (column, heading, format) of the full table; memory in MiB, times as their names say.
@@ -202,7 +222,7 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
         if column == "tflops":
             heading, cells = flops(values.where(ok))
         elif column == "iter_time_ms_p10":
-            cells = [spread(row) for _, row in df.iterrows()]
+            cells = [spread(r) for r in df.reindex(columns=["iter_time_ms_p10", "iter_time_ms_p90"]).to_dict("records")]
         else:
             cells = [num(v, fmt) for v in values]
         out[heading] = [c if good else "" for c, good in zip(cells, ok)]
@@ -220,12 +240,17 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     return filled(out, keep=labels)
 
 
+PAIRED = (MEMORY, "iter_time_ms", "loss_final", "iter_time_ms_p10", "iter_time_ms_p90")  # what marginal compares
+
+
 def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     """For each varied column with a do-nothing value (do_nothing: a group's reference
     option, an option key's default, a run key off) and each other value it takes: the median
     change in memory, time and loss against the do-nothing value, over pairs of ok runs that are
     equal in every other varied column. "Against" names the do-nothing value ("fsdp" vs "ddp")."""
     ok = df[df["status"] == "ok"]
+    # each run's figures as a dict, made once: a pandas row per pair took seconds over 1,000 runs
+    runs_of = dict(zip(df.index, df[[c for c in PAIRED if c in df]].to_dict("records")))
     rows = []
     for col, (at_ref, against) in do_nothing(df, labels).items():
         others = [c for c in labels if c != col]
@@ -236,9 +261,9 @@ def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
         for option in sorted(set(values), key=_natural):
             chosen = ~at_ref & (df[col].astype(str) == option)
             runs = ok[chosen[ok.index]]
-            pairs = [[*(_pct(run[m], df.loc[refs[k], m]) for m in (MEMORY, "iter_time_ms", "loss_final")),
-                      within_noise(run, df.loc[refs[k]])]
-                     for k, (_, run) in zip(same(runs), runs.iterrows()) if k in refs]
+            pairs = [[*(_pct(runs_of[i][m], runs_of[refs[k]][m]) for m in (MEMORY, "iter_time_ms", "loss_final")),
+                      within_noise(runs_of[i], runs_of[refs[k]])]
+                     for k, i in zip(same(runs), runs.index) if k in refs]
             med = pd.DataFrame([p[:3] for p in pairs]).median() if pairs else pd.Series([float("nan")] * 3)
             noise = sum(p[3] for p in pairs) > len(pairs) / 2  # most pairs differ by less than their own spread
             rows.append({"Group": col, "Option": option, "Against": against, "Δ memory (median)": _signed(med.iloc[0]),

@@ -34,11 +34,12 @@ def own_shares(modules: pd.DataFrame) -> pd.DataFrame:
     `leaf`: the module has no submodules."""
     inclusive = modules.set_index("module")[[f"at_peak_{c}_mib" for c in CATEGORIES]].astype(float)
     inclusive.columns = list(CATEGORIES)
-    own = inclusive.copy()
-    for name in inclusive.index:
-        parent = _parent(name)
-        if parent in own.index:
-            own.loc[parent] -= inclusive.loc[name]
+    at, left = inclusive.to_numpy(), inclusive.to_numpy(copy=True)  # arrays: a .loc per module took 0.1 s a run
+    row = {name: i for i, name in enumerate(inclusive.index)}
+    for i, name in enumerate(inclusive.index):
+        if (parent := row.get(_parent(name))) is not None:
+            left[parent] -= at[i]
+    own = pd.DataFrame(left, index=inclusive.index, columns=inclusive.columns)
     own = own.clip(lower=0)  # rounding in the CSV (1e-4 MiB) must not draw negative slivers
     own["leaf"] = ~own.index.isin([_parent(n) for n in inclusive.index])
     return own
@@ -70,6 +71,20 @@ def _read(path) -> pd.DataFrame | None:
         return None
 
 
+def _first_tables(df: pd.DataFrame, n: int) -> tuple[list, int]:
+    """([(row, its memory_by_module.csv)] of the first n runs whose table reads and is not empty,
+    how many runs have one). The runs after the n-th are counted by the file their result names,
+    not read: a report over 1,000 runs would read 1,000 files to draw 6."""
+    named = df[[isinstance(p, str) and bool(p) for p in df["artifact_memory_by_module"]]]
+    runs: list = []
+    for k, (_, row) in enumerate(named.iterrows()):
+        if len(runs) == n:
+            return runs, n + len(named) - k
+        if (table := _read(row["artifact_memory_by_module"])) is not None and not table.empty:
+            runs.append((row, table))
+    return runs, len(runs)
+
+
 def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
     """Per run (the first MAX_RUNS with a memory_by_module.csv), horizontal stacked bars of the TOP
     modules by their own share of the traced step's peak, coloured by category. Every module
@@ -80,11 +95,9 @@ def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Pa
 
     if "artifact_memory_by_module" not in df:
         return None
-    runs = [(row, table) for _, row in df.iterrows()
-            if (table := _read(row["artifact_memory_by_module"])) is not None and not table.empty]
-    if not runs:
+    shown, with_table = _first_tables(df, MAX_RUNS)
+    if not shown:
         return None
-    shown = runs[:MAX_RUNS]
     cols = 1 if len(shown) == 1 else 2
     grid = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(grid, cols, figsize=(7.5 * cols, 4.2 * grid), squeeze=False)
@@ -112,7 +125,7 @@ def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Pa
     for ax in list(axes.flat)[len(shown):]:
         ax.set_visible(False)
     axes.flat[0].legend(fontsize=7, loc="lower right")
-    more = f" (first {len(shown)} of {len(runs)} runs)" if len(runs) > len(shown) else ""
+    more = f" (first {len(shown)} of {with_table} runs)" if with_table > len(shown) else ""
     fig.suptitle(f"Where the memory was at the traced step's peak, by module{on_device(df)}{more}", fontsize=11)
     fig.tight_layout()
     return save(fig, out, "memory_by_module.png")
