@@ -62,11 +62,13 @@ def spread(row: pd.Series) -> str:
 
 
 def within_noise(row: pd.Series, base: pd.Series) -> bool:
-    """Whether two runs' p10–p90 iteration times overlap: a difference between them is then no
-    larger than either run's own variation from step to step (a loaded CPU, a GPU's clocks), so it
-    is not an effect of what differs. Unknown (no spread recorded) is not noise."""
+    """Whether one run's median iteration time lies inside the other's p10–p90: the difference is
+    then no larger than that run's own variation from step to step (a loaded CPU, a GPU's clocks),
+    so it is not shown as an effect of what differs. Unknown (no spread recorded) is not noise."""
     a, b = _p10_p90(row), _p10_p90(base)
-    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+    if a is None or b is None or pd.isna(row.get("iter_time_ms")) or pd.isna(base.get("iter_time_ms")):
+        return False
+    return b[0] <= row["iter_time_ms"] <= b[1] or a[0] <= base["iter_time_ms"] <= a[1]
 
 
 def time_delta(row: pd.Series, base: pd.Series, col: str = "train_latency_s") -> str:
@@ -107,6 +109,6 @@ def footnote(cpu: bool) -> str:
               "GPU Memory Peak / Memory (MiB): the torch caching allocator's peak of allocated bytes over "
               "training; reserved adds cached free blocks; NVML is what the driver sees (CUDA context included)")
     return (f"{memory}. MiB = 2^20 bytes. Iteration time: median of the measured steps, and its p10–p90 "
-            f"spread. Training latency: all measured steps. {NOISE} in a Δ time column: the two runs' "
-            "p10–p90 iteration times overlap, so the difference is noise, not an effect. (reused): a row "
+            f"spread. Training latency: all measured steps. {NOISE} in a Δ time column: one run's median "
+            "iteration time lies inside the other's p10–p90, so the difference is noise, not an effect. (reused): a row "
             "an earlier sweep measured (the same run_id), not run again.")
