@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf.errors import OmegaConfBaseException
 
-from ablate.schema import GROUPS, option_keys, options, unknown_key
+from ablate.schema import GROUPS, OVERLAYS, option_keys, options, unknown_key
 from helpers import ROOT, compose_config
 
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "eval_steps", "samples", "seed", "compile", "device", "peak_tflops",
@@ -32,7 +32,7 @@ NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "-0.5", "0.5", "1e-9", "nan"]
 WORDS = ["''", "abc", "true", "false", "null", "[1,2]", "/nonexistent/dir", "/proc/forbidden", "../..", "cuda",
          "'a b'"]
 # Options each group has, plus misspellings of them; and keys no config has.
-CHOICES = {g: options(g) for g in (*GROUPS, "experiment")}
+CHOICES = {g: options(g) for g in (*GROUPS, *OVERLAYS)}  # experiment and scale too
 # What a real run on a CPU can take within a test: no huge sizes (a batch of 10**12 samples would
 # take the host's memory, not give a row), no model larger than gpt-micro.
 TAME = {"values": NUMBERS + WORDS, "choices": {**CHOICES, "model": ["gpt-nano", "gpt-micro"]}}
