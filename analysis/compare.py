@@ -164,13 +164,13 @@ def family_keys(df: pd.DataFrame, cols: list[str]) -> list[str]:
     return [c for c in cols if (c == "model" or not (comparable(c) or c in swept)) and c in df and varies(df[c])]
 
 
-def families(df: pd.DataFrame, labels: list[str], cols: list[str] | None = None
+def families(df: pd.DataFrame, labels: list[str], keys: list[str] | None = None
              ) -> list[tuple[str | None, pd.DataFrame, list[str]]]:
     """(title, its runs, the labels that vary within them) per family of comparable runs, in the
     order the families first appear; the title names what the family holds fixed ("model=gpt2,
-    seq_len=64"). One part (title None, the labels as given) when all runs compare. `cols`: the
-    columns that vary between runs (default: varied(df))."""
-    keys = family_keys(df, varied(df) if cols is None else cols)
+    seq_len=64"). One part (title None, the labels as given) when all runs compare. `keys`: the
+    columns that split them (default: family_keys of every varied column)."""
+    keys = family_keys(df, varied(df)) if keys is None else keys
     if not keys:
         return [(None, df, labels)]
     parts = []
@@ -183,13 +183,14 @@ def families(df: pd.DataFrame, labels: list[str], cols: list[str] | None = None
 
 
 def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None,
-              cols: list[str] | None = None) -> pd.Series:
-    """Each row's baseline row (an index of df): one per family (families()). `--baseline` picks it
-    in every family that has a matching run, and must match some run."""
+              parts: list | None = None) -> pd.Series:
+    """Each row's baseline row (an index of df): one per family (`parts`: families(df, labels),
+    computed when not given). `--baseline` picks it in every family that has a matching run, and
+    must match some run."""
     if baseline:
         _matching(df, labels, baseline)  # raises if no run at all matches
     out = pd.Series(0, index=df.index)
-    for _, part, part_labels in families(df, labels, cols):
+    for _, part, part_labels in families(df, labels) if parts is None else parts:
         try:
             out[part.index] = baseline_index(part, part_labels, baseline)
         except ValueError:  # this family has no run like that: its own default baseline

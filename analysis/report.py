@@ -176,11 +176,12 @@ def compare_runs(df: pd.DataFrame, args: argparse.Namespace) -> View:
     varied = compare.varied(df)  # a pass over the rows per option key: once
     labels = run_labels(df, args.by, varied)
     df = in_reading_order(df, labels, args.ladder)
-    families = compare.families(df, labels, varied)
+    keys = compare.family_keys(df, varied)
+    families = compare.families(df, labels, keys)
     ladder = args.ladder and is_ladder(families)
     bases = (pd.concat([pd.Series(part.index[0], index=part.index) for _, part, _ in families]).loc[df.index]
-             if ladder else compare.baselines(df, labels, _parse_baseline(args.baseline), varied))
-    split = provenance.families_line([t for t, _, _ in families], compare.family_keys(df, varied))
+             if ladder else compare.baselines(df, labels, _parse_baseline(args.baseline), families))
+    split = provenance.families_line([t for t, _, _ in families], keys)
     return View(df, labels, families, bases, ladder, provenance.about(df) + ([("", split)] if split else []))
 
 
@@ -219,8 +220,9 @@ def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
                     about=view.about)
         write(out / "report.html", html)
         print(html)
-    elif args.format == "csv":
-        tables.full(df, labels, view.bases).to_csv(sys.stdout, index=False)
+    elif args.format == "csv":  # the full table, as written above when it was asked for
+        full = dict(parts).get("All runs")
+        (tables.full(df, labels, view.bases) if full is None else full).to_csv(sys.stdout, index=False)
     else:
         print(text)
     print(f"wrote {out}/report.md, runs.csv{', report.html' if args.format == 'html' else ''} and "

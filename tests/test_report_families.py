@@ -132,3 +132,15 @@ def test_ladder_on_runs_that_are_not_a_ladder_says_so(tmp_path, capsys):
     assert "these runs are not a ladder ('− Gradient accumulation (2 × 4 = 8) + Block recompute' drops Gradient " \
         "accumulation" in capsys.readouterr().err
     assert "## Setting\n" in md and "Setting (ladder)" not in md and "−" not in md
+
+
+def test_csv_on_stdout_is_the_full_table_whichever_tables_are_written(tmp_path, capsys):
+    runs = _sweep(tmp_path / "runs", "grid", ["optimizer=adamw,sgd"])
+    _run(runs, "a")
+    _run(runs, "s", optimizer="sgd", peak=80.0)
+    printed = []
+    for tables in ([], ["--table", "setting"]):  # the full table reused, and made for stdout alone
+        _report(tmp_path, "--format", "csv", *tables)
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1]
+    assert printed[0].splitlines()[0].startswith("optimizer,Peak allocated (MiB)") and len(printed[0].splitlines()) == 3
