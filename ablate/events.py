@@ -6,8 +6,10 @@ SIGKILL), and so that the worker's own stdout/stderr stay a plain log. Events:
   {"event": "progress", "step": k, "steps": N, "loss": float, "elapsed_s": float}
   {"event": "result", "metrics": {...}, "env": {...}}
   {"event": "failure", "status": "oom"|"invalid"|"error", "reason": str}   (from any rank)
-  {"event": "started", "pid": int}   (from every rank: lets the job attribute NVML memory to ranks)
-  {"event": "launcher", "failures": [{"rank": r, "exitcode": int}, ...]}   (torchrun's failed ranks)
+  {"event": "started", "pid": int, "host": str}   (from every rank: lets the job attribute NVML
+                                                   memory to ranks, and name a lost rank's node)
+  {"event": "launcher", "host": str, "failures": [{"rank": r, "exitcode": int}, ...]}
+                                          (torchrun's failed ranks, from each node's torchrun)
 Every event carries "rank" and "t" (time.time() when it was written).
 """
 from __future__ import annotations

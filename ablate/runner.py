@@ -3,6 +3,7 @@ eval -> metrics gathered from every rank. Rank 0 reports for the group."""
 from __future__ import annotations
 
 import math
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +181,7 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         "eval_loss": eval_loss,
         "loss_floor": loss_floor,
         "losses": run.losses,
-        "per_rank": [{"rank": i, "peak_allocated_mib": r["peaks"]["peak_allocated_mib"],
+        "per_rank": [{"rank": i, "host": r["host"], "peak_allocated_mib": r["peaks"]["peak_allocated_mib"],
                       "peak_reserved_mib": r["peaks"]["peak_reserved_mib"], "nvml_peak_mib": None}
                      for i, r in enumerate(ranks)] if world > 1 else None,
     }
@@ -205,7 +206,7 @@ def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict 
     eval_loss = evaluate(model, data, spec.batch_size, t, device, spec.eval_steps)
     events.emit("phase", phase="report")  # gathering every rank's figures, tearing down
     mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
-            "host_peak_rss_mib": measure.host_peak_rss_mib()}
+            "host_peak_rss_mib": measure.host_peak_rss_mib(), "host": socket.gethostname()}
     ranks = all_ranks(mine)
     # Only on success: a failing rank exits at once (the worker reports and leaves), and torchrun
     # then stops the others; waiting for them in a barrier here would hang the group.

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -66,7 +67,7 @@ def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", 0))  # set by torchrun; a single worker is rank 0
     events = EventWriter(spec["run_dir"], rank)
-    events.emit("started", pid=os.getpid())
+    events.emit("started", pid=os.getpid(), host=socket.gethostname())
     try:
         inject = functools.partial(inject_fault, spec.get("overrides", []), rank)
         result = run(spec, events, before_first_step=inject)

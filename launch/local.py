@@ -107,6 +107,21 @@ def _killed_by(code: int) -> str:
     return f"killed by {name}{hint}"
 
 
+def _lost_ranks(events: list[dict], failures: list[dict]) -> str | None:
+    """"node N lost: ranks r, s stopped without a word", for ranks that started on a node whose
+    launcher never reported, and said nothing themselves: the node is gone (or its torchrun and ranks
+    were killed together). Only their peers' broken connections tell, and those name an address, not
+    a rank. None where every node's launcher, or every rank, spoke."""
+    started = {e["rank"]: e.get("host") for e in events if e["event"] == "started"}
+    launchers = {e.get("host") for e in events if e["event"] == "launcher"}
+    spoke = {e["rank"] for e in failures}
+    silent = sorted(r for r, host in started.items() if host not in launchers and r not in spoke)
+    if not silent:
+        return None
+    hosts = ", ".join(sorted({started[r] or "?" for r in silent}))
+    return f"node {hosts} lost: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped without a word"
+
+
 def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[dict], log: Path,
              world_size: int = 1) -> Outcome:
     """Status and reason from how the worker (or torchrun's group) ended and what it reported."""
@@ -116,7 +131,6 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
     if result and returncode == 0:
         return Outcome("ok", None, result["metrics"], result["env"])
     failures = [e for e in events if e["event"] == "failure"]
-    launcher = next((e for e in events if e["event"] == "launcher"), None)
     named = (lambda e: f"rank {e['rank']}: {e['reason']}") if world_size > 1 else (lambda e: e["reason"])
     # A rank's own OOM or invalid report is the root cause; the others then fail on its absence.
     for e in failures:
@@ -124,7 +138,10 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
             return Outcome(e["status"], named(e))
     # A rank killed by a signal reports nothing itself, and its peers then fail on the broken
     # connection: the launcher's list of failed ranks names the one that died silently.
-    died = launcher["failures"] if launcher else []
+    died = [f for e in events if e["event"] == "launcher" for f in e["failures"]]  # one launcher per node
+    lost = _lost_ranks(events, failures)
+    if lost and failures:
+        return Outcome("error", f"{lost}; {named(failures[0])}")
     silent = [f for f in died if f["exitcode"] < 0 and f["rank"] not in {e["rank"] for e in failures}]
     silent.sort(key=lambda f: f["exitcode"] == -signal.SIGTERM)  # torchrun SIGTERMs the survivors
     if silent:

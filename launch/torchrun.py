@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,8 @@ def main(spec_path: str) -> int:
         return 0
     except ChildFailedError as exc:  # every failed rank: which died of a signal tells the root cause
         failed = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
-        EventWriter(spec["run_dir"]).emit("launcher", failures=[{"rank": r, "exitcode": f.exitcode}
-                                                                for r, f in failed])
+        EventWriter(spec["run_dir"]).emit("launcher", host=socket.gethostname(),  # one per node
+                                          failures=[{"rank": r, "exitcode": f.exitcode} for r, f in failed])
         return 1
 
 

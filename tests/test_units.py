@@ -58,6 +58,26 @@ def test_rank_failures_name_the_root_cause(tmp_path):
     assert classify(3, False, 10, [], tmp_path / "no.log").reason == "worker exited with code 3 without a result"
 
 
+def test_a_lost_node_is_named_by_its_ranks_hosts(tmp_path):
+    """Two nodes of two ranks each; the second node vanishes (its torchrun with it): only the first
+    node's ranks and launcher speak, and their peers' address is all their errors name."""
+    log = tmp_path / "worker.log"
+    log.write_text("")
+    started = [{"event": "started", "rank": r, "pid": 100 + r, "host": f"n{1 + r // 2}"} for r in range(4)]
+    gloo = {"event": "failure", "rank": 0, "status": "error", "reason": "RuntimeError: Connection closed by peer [10.0.0.2]"}
+    n1 = {"event": "launcher", "host": "n1", "failures": [{"rank": 0, "exitcode": 1}, {"rank": 1, "exitcode": 1}]}
+    lost = classify(1, False, 10, [*started, gloo, n1], log, world_size=4)
+    assert (lost.status, lost.reason) == ("error", "node n2 lost: ranks 2, 3 stopped without a word; "
+                                                   "rank 0: RuntimeError: Connection closed by peer [10.0.0.2]")
+    # The second node's torchrun survived and saw its rank killed: that rank, as on one node.
+    n2 = {"event": "launcher", "host": "n2", "failures": [{"rank": 3, "exitcode": -9}]}
+    assert classify(1, False, 10, [*started, gloo, n1, n2], log, world_size=4).reason.startswith("rank 3 killed by SIGKILL")
+    # One node: its launcher spoke, so no rank of it is lost, even one it did not list.
+    one = [e for e in started if e["host"] == "n1"]
+    assert classify(1, False, 10, [*one, gloo, {**n1, "failures": [{"rank": 0, "exitcode": 1}]}], log,
+                    world_size=2).reason == "rank 0: RuntimeError: Connection closed by peer [10.0.0.2]"
+
+
 def test_exception_classification():
     assert classify_exception(torch.OutOfMemoryError("CUDA out of memory. Tried"))[0] == "oom"
     assert classify_exception(RuntimeError("DefaultCPUAllocator: can't allocate memory: 9 GB"))[0] == "oom"

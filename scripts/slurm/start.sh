@@ -5,7 +5,15 @@
 # slurmctld and slurmd, and waits until the node is idle. Idempotent: when the cluster is already
 # up it only prints the environment, in well under a second.
 #
-#   eval "$(scripts/slurm/start.sh)"         # as root; or eval "$(sudo scripts/slurm/start.sh)"
+#   eval "$(scripts/slurm/start.sh)"           # as root; or eval "$(sudo scripts/slurm/start.sh)"
+#   eval "$(scripts/slurm/start.sh --nodes 2)" # two nodes, each in its own network namespace
+#
+# --nodes N (N >= 2) makes N nodes named ablate-n1..N on one machine, for multi-node points
+# (parallel.nodes=2): each node is a network namespace joined to a bridge (ablate-br, 10.77.0.1/24,
+# where slurmctld listens) by a veth pair, with address 10.77.0.1<i>, its own hostname (a UTS
+# namespace) and its own /etc/hosts naming every node (a mount namespace); one slurmd runs in each.
+# Everything a job starts on a node runs in that node's namespaces, so ranks on two nodes talk
+# over the bridge as they would over a network. A cluster of another size is stopped first.
 #
 # stdout is only `export` lines (progress goes to stderr), or, when the start fails, `false`: a
 # failing command inside $(...) does not fail the `eval` around it, so the line it evaluates must.
@@ -20,27 +28,44 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CONF=$DIR/slurm.conf
 export SLURM_CONF=$CONF
 export PATH=$PATH:/usr/sbin:/sbin
-NODE=$(hostname -s)
 
 say() { echo "slurm/start.sh: $*" >&2; }
 die() { say "$*"; echo false; exit 1; }
 trap 'echo false' ERR  # any other failure (set -e) likewise: the caller's eval fails too
+
+NODES=1
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --nodes) NODES=${2:-}; shift 2 || die "--nodes needs a number" ;;
+    --nodes=*) NODES=${1#--nodes=}; shift ;;
+    *) die "unknown argument '$1' (valid: --nodes N)" ;;
+  esac
+done
+[[ $NODES =~ ^[1-9][0-9]?$ ]] || die "--nodes $NODES: give a number from 1 to 99"
+
+# One node: this machine itself. Several: ablate-n1..N, in network namespaces (addresses 10.77.0.1<i>).
+BRIDGE=ablate-br
+SUBNET=10.77.0
+if [[ $NODES == 1 ]]; then NAMES=("$(hostname -s)"); else NAMES=(); for i in $(seq "$NODES"); do NAMES+=("ablate-n$i"); done; fi
+NODE=${NAMES[0]}
+slurmd_pid() { if [[ $NODES == 1 ]]; then echo "$DIR/slurmd.pid"; else echo "$DIR/slurmd-$1.pid"; fi; }
+
 alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
-node_state() { timeout 10 sinfo -h -n "$NODE" -o %t 2>/dev/null | head -1 || true; }
+node_state() { timeout 10 sinfo -h -n "$1" -o %t 2>/dev/null | head -1 || true; }
+all_up() {  # every daemon alive and every node taking jobs, in a cluster of this size
+  [[ -s $CONF ]] && [[ $(grep -c '^NodeName=' "$CONF") == "$NODES" ]] && alive "$DIR/slurmctld.pid" || return 1
+  local name
+  for name in "${NAMES[@]}"; do
+    alive "$(slurmd_pid "$name")" && [[ $(node_state "$name") =~ ^(idle|mix|alloc|comp) ]] || return 1
+  done
+}
 print_env() {
   echo "export SLURM_CONF=$CONF"
   echo "export PATH=$HERE/bin:\$PATH"
 }
-stop_pid() {  # stop_pid PIDFILE: SIGTERM, then SIGKILL after 10 s
-  alive "$1" || return 0
-  local pid; pid=$(cat "$1")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-  kill -9 "$pid" 2>/dev/null || true
-}
 
 # Already up (idle, or running jobs): nothing to do.
-if alive "$DIR/slurmctld.pid" && alive "$DIR/slurmd.pid" && [[ $(node_state) =~ ^(idle|mix|alloc|comp) ]]; then
+if all_up; then
   print_env
   exit 0
 fi
@@ -69,25 +94,63 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
   for _ in $(seq 50); do munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 
-# A half-started cluster (one daemon died, the node is down) starts over with a fresh config.
-stop_pid "$DIR/slurmd.pid"
-stop_pid "$DIR/slurmctld.pid"
+# A half-started cluster (a daemon died, a node is down) or one of another size starts over with a
+# fresh config: its daemons, and the namespaces of its nodes, go first.
+if alive "$DIR/slurmctld.pid" || compgen -G "$DIR/slurmd*.pid" >/dev/null || ip netns list 2>/dev/null | grep -q '^ablate-n'; then
+  say "stopping the cluster that is there (not up, or not of $NODES nodes)"
+  KEEP_MUNGED=1 "$HERE/stop.sh" >&2
+fi
 
-# `slurmd -C` prints this machine's NodeName, CPUs, sockets, cores, threads and RealMemory.
-HW=$(slurmd -C | head -1 | sed "s/^NodeName=[^ ]*/NodeName=$NODE/")
+if [[ $NODES == 1 ]]; then
+  CTLD_ADDR=127.0.0.1
+else
+  command -v ip >/dev/null && command -v nsenter >/dev/null && command -v unshare >/dev/null \
+    || die "--nodes $NODES needs ip (iproute2), nsenter and unshare (util-linux)"
+  say "making $NODES nodes: network namespaces ${NAMES[*]} on bridge $BRIDGE ($SUBNET.1/24)"
+  CTLD_ADDR=$SUBNET.1
+  ip link add "$BRIDGE" type bridge
+  ip addr add "$CTLD_ADDR/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  { echo "127.0.0.1 localhost"; echo "$CTLD_ADDR $(hostname -s)"
+    for i in $(seq "$NODES"); do echo "$SUBNET.1$i ablate-n$i"; done; } > "$DIR/hosts"
+  for i in $(seq "$NODES"); do
+    ns=ablate-n$i
+    ip netns add "$ns"
+    ip link add "ablate-v$i" type veth peer name eth0 netns "$ns"
+    ip link set "ablate-v$i" master "$BRIDGE" up
+    ip -n "$ns" addr add "$SUBNET.1$i/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+  done
+fi
+
+# `slurmd -C` prints this machine's CPUs, sockets, cores, threads and RealMemory; every node of a
+# several-node cluster claims all of them (they share this machine, as the jobs' ranks do).
+HW=$(slurmd -C | head -1 | sed "s/^NodeName=[^ ]* //")
+if [[ $NODES == 1 ]]; then
+  NODE_LINES="NodeName=$NODE $HW NodeAddr=127.0.0.1 State=UNKNOWN"
+  SLURMD_FILES="SlurmdPidFile=$DIR/slurmd.pid
+SlurmdLogFile=$DIR/slurmd.log
+SlurmdSpoolDir=$DIR/spool"
+else
+  NODE_LINES=$(for i in $(seq "$NODES"); do echo "NodeName=ablate-n$i NodeAddr=$SUBNET.1$i NodeHostname=ablate-n$i $HW State=UNKNOWN"; done)
+  # %n: each node's own name, so the slurmds of one machine keep apart.
+  SLURMD_FILES="SlurmdPidFile=$DIR/slurmd-%n.pid
+SlurmdLogFile=$DIR/slurmd-%n.log
+SlurmdSpoolDir=$DIR/spool/%n"
+fi
+PARTITION_NODES=$(IFS=,; echo "${NAMES[*]}")
 cat > "$CONF" <<CONF
-# Written by scripts/slurm/start.sh: a one-node cluster on $NODE, for trying ablate's SLURM sweeps.
+# Written by scripts/slurm/start.sh: a $NODES-node cluster on $(hostname -s), for trying ablate's SLURM sweeps.
 ClusterName=ablate
-SlurmctldHost=$NODE(127.0.0.1)
+SlurmctldHost=$(hostname -s)($CTLD_ADDR)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
 SlurmctldLogFile=$DIR/slurmctld.log
-SlurmdLogFile=$DIR/slurmd.log
+$SLURMD_FILES
 # No cgroups and no systemd needed.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -97,6 +160,8 @@ MailProg=/bin/true
 # scancel and the time limit send SIGTERM, then SIGKILL this many seconds later (submitit's job
 # process ignores SIGTERM; the default 30 s only slows everything down).
 KillWait=5
+# A node that stops answering is DOWN after 30 s (default 300 s) and its jobs end NODE_FAIL.
+SlurmdTimeout=30
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 ReturnToService=2
@@ -104,22 +169,36 @@ ReturnToService=2
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/jobcomp.txt
-$HW NodeAddr=127.0.0.1 State=UNKNOWN
-# EXCLUSIVE: one job at a time gets the whole machine, as with the default launcher: points that
+$NODE_LINES
+# EXCLUSIVE: one job at a time gets a whole node, as with the default launcher: points that
 # share a GPU would pollute each other's memory measurements.
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE
+PartitionName=debug Nodes=$PARTITION_NODES Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE
 CONF
 
-say "starting slurmctld and slurmd ($CONF)"
+say "starting slurmctld and ${NODES} slurmd ($CONF)"
 slurmctld -f "$CONF"
-slurmd -f "$CONF"
+if [[ $NODES == 1 ]]; then
+  slurmd -f "$CONF"
+else
+  for name in "${NAMES[@]}"; do
+    mkdir -p "$DIR/spool/$name"
+    # nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup filesystem slurmd reads.
+    nsenter --net="/run/netns/$name" unshare --uts --mount --propagation private \
+      sh -c "mount --bind '$DIR/hosts' /etc/hosts && hostname $name && exec slurmd -N $name -f '$CONF'"
+  done
+fi
 
 for _ in $(seq 120); do
-  state=$(node_state)
-  case $state in
-    idle*|mix*|alloc*) print_env; say "node $NODE is $state"; exit 0 ;;
-    down*|drain*) scontrol update NodeName="$NODE" State=RESUME >&2 || true ;;
-  esac
+  waiting=()
+  for name in "${NAMES[@]}"; do
+    state=$(node_state "$name")
+    case $state in
+      idle*|mix*|alloc*) ;;
+      down*|drain*) scontrol update NodeName="$name" State=RESUME >&2 || true; waiting+=("$name") ;;
+      *) waiting+=("$name") ;;
+    esac
+  done
+  if [[ ${#waiting[@]} == 0 ]]; then print_env; say "nodes ${NAMES[*]} are up"; exit 0; fi
   sleep 0.5
 done
-die "node $NODE did not become idle (state '${state:-none}'); see $DIR/slurmctld.log and $DIR/slurmd.log"
+die "node ${waiting[0]} did not become idle (state '${state:-none}'); see $DIR/slurmctld.log and $DIR/slurmd*.log"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Stops what scripts/slurm/start.sh started: cancels every job still queued or running, then stops
-# slurmd, slurmctld, and munged if start.sh started it (a munged that was already running stays).
-# Idempotent. Keeps ABLATE_SLURM_DIR (logs, state: job ids keep counting up across restarts).
+# the slurmds, slurmctld, and munged if start.sh started it (a munged that was already running
+# stays; KEEP_MUNGED=1 keeps ours too), and removes a several-node cluster's network namespaces,
+# with whatever still runs in them, and its bridge. Idempotent. Keeps ABLATE_SLURM_DIR (logs,
+# state: job ids keep counting up across restarts).
 set -euo pipefail
 
 DIR=${ABLATE_SLURM_DIR:-/tmp/ablate-slurm}
@@ -36,5 +38,16 @@ if alive "$DIR/slurmctld.pid"; then
     for _ in $(seq 300); do [[ -z $(timeout 10 squeue -h -o %A 2>/dev/null) ]] && break; sleep 0.1; done
   fi
 fi
-stop slurmd slurmctld  # each takes about 2 s to shut down: together
-stop munged  # last: the SLURM daemons authenticate with it until they are gone
+slurmds=()
+for pidfile in "$DIR"/slurmd*.pid; do [[ -e $pidfile ]] && slurmds+=("$(basename "$pidfile" .pid)"); done
+stop "${slurmds[@]}" slurmctld  # each takes about 2 s to shut down: together
+
+# A several-node cluster's nodes: anything left in a namespace (a job's orphan) dies with it.
+for ns in $(ip netns list 2>/dev/null | awk '/^ablate-n[0-9]+( |$)/ {print $1}'); do
+  pids=$(ip netns pids "$ns" 2>/dev/null || true)
+  # shellcheck disable=SC2086
+  [[ -z $pids ]] || { say "killing what still runs on $ns:" $pids; kill -9 $pids 2>/dev/null || true; }
+  ip netns del "$ns"  # takes its end of the veth pair, and so ours, with it
+done
+if ip link show ablate-br >/dev/null 2>&1; then ip link del ablate-br; fi
+[[ -n ${KEEP_MUNGED:-} ]] || stop munged  # last: the SLURM daemons authenticate with it until they are gone
