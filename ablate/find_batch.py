@@ -1,8 +1,8 @@
 """find_batch=true: the largest micro-batch of a point that fits, keeping its effective batch.
 
-The micro-batches searched are the divisors of batch_size (capacity.micro_batches); accumulation
-is raised to match (RunSpec.with_micro_batch), so a point's effective batch, and with it its loss
-curve, never changes. The job hands in how to run or predict one point, so the same search serves a measured sweep (short
+The micro-batches searched are the divisors of batch_size (capacity.micro_batches) at which the
+point can run at all (`candidates`); accumulation is raised to match (RunSpec.with_micro_batch), so
+a point's effective batch, and with it its loss curve, never changes. The job hands in how to run or predict one point, so the same search serves a measured sweep (short
 probe runs) and predict_only (each micro-batch judged by its prediction). Sizes in MiB.
 """
 from __future__ import annotations
@@ -25,10 +25,21 @@ def under_margin(peak_mib: float | None, capacity: float | None) -> bool:
     return not (capacity and peak_mib and peak_mib > capacity * (1 - MARGIN))
 
 
-def planned(spec: RunSpec, capacity: float | None,
-            predict: Callable[[RunSpec], Prediction | None]) -> tuple[Outcome, Prediction | None]:
-    """The search under predict_only: each micro-batch judged by `predict` (the job's predictor),
-    nothing run. Plans a card with gpu_memory_gib."""
+def everything(spec: RunSpec) -> bool:
+    return True
+
+
+def candidates(spec: RunSpec, valid: Callable[[RunSpec], bool] = everything) -> list[int]:
+    """The divisors of batch_size whose micro-batch the point can run with, ascending: an option
+    that cannot accumulate (optimizer.in_backward) leaves only the whole batch. Never empty for a
+    valid point: the whole batch is the point itself."""
+    return [m for m in micro_batches(spec.batch_size) if valid(spec.with_micro_batch(m))] or [spec.batch_size]
+
+
+def planned(spec: RunSpec, capacity: float | None, predict: Callable[[RunSpec], Prediction | None],
+            valid: Callable[[RunSpec], bool] = everything) -> tuple[Outcome, Prediction | None]:
+    """The search under predict_only: each micro-batch `valid` allows judged by `predict` (the
+    job's predictor), nothing run. Plans a card with gpu_memory_gib."""
     if not capacity:
         reason = "find_batch needs a capacity to search against: set gpu_memory_gib (no GPU memory applies here)"
         return Outcome("predicted", reason), predict(spec)
@@ -38,10 +49,11 @@ def planned(spec: RunSpec, capacity: float | None,
         seen[micro] = predict(spec.with_micro_batch(micro))
         return seen[micro] is not None and under_margin(seen[micro].peak_mib, capacity)
 
-    best = largest_fitting(micro_batches(spec.batch_size), fits)
+    micros = candidates(spec, valid)
+    best = largest_fitting(micros, fits)
     if best is None:
         return Outcome("predicted", f"no micro-batch of batch_size={spec.batch_size} is predicted to fit "
-                                    f"{capacity:,.0f} MiB usable"), seen[1]
+                                    f"{capacity:,.0f} MiB usable"), seen[micros[0]]
     return Outcome("predicted", None, {"max_batch_size": best}), seen[best]
 
 
@@ -53,9 +65,9 @@ class _Stopped(Exception):
         self.outcome = outcome
 
 
-def measured(spec: RunSpec, capacity: float | None, run_dir: Path,
-             run: Callable[[RunSpec, Path], Outcome]) -> Outcome:
-    """Binary-search the largest micro-batch that fits with one-step probe runs, each in its own
+def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable[[RunSpec, Path], Outcome],
+             valid: Callable[[RunSpec], bool] = everything) -> Outcome:
+    """Binary-search the largest micro-batch (of those `valid` allows) that fits with one-step probe runs, each in its own
     directory under run_dir (any rank failing fails the probe), then run the point at that
     micro-batch in run_dir. A probe's peak (reserved, else allocated) must stay under_margin.
     Every probe is listed in metrics.find_batch, the answer in metrics.max_batch_size."""
@@ -71,7 +83,7 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path,
         return ok
 
     try:
-        best = largest_fitting(micro_batches(spec.batch_size), fits)
+        best = largest_fitting(candidates(spec, valid), fits)
     except _Stopped as stop:
         stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes}
         return stop.outcome

@@ -113,23 +113,28 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
     # A row no worker ran still names the card it was judged against (as a worker's env would).
     judged = {"gpu_total_mib": gpu_mib,
               "emulated_gpu_mib": spec.gpu_memory_gib * 1024 if spec.gpu_memory_gib else None}
+
+    def runnable(probe: RunSpec) -> bool:  # a micro-batch this point can run at (find_batch searches those)
+        return validate(probe) is None
+
     if spec.predict_only and spec.find_batch:
-        outcome, prediction = find_batch.planned(spec, capacity, predicted)
+        outcome, prediction = find_batch.planned(spec, capacity, predicted, runnable)
         return replace(outcome, env=judged), prediction
     if spec.predict_only:
         prediction = predicted(spec)
         return replace(plan_outcome(prediction, capacity), env=judged), prediction
     searched = spec.find_batch
-    prediction = predicted(spec.with_micro_batch(1) if searched else spec)  # 1 divides every batch
+    smallest = find_batch.candidates(spec, runnable)[0] if searched else None
+    prediction = predicted(spec.with_micro_batch(smallest) if searched else spec)
     if spec.prune and prediction and capacity and prediction.peak_mib > capacity * (1 + spec.prune_margin):
-        at = " at micro-batch 1" if searched else ""
+        at = f" at micro-batch {smallest}" if searched else ""
         return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
                               f"(+{spec.prune_margin:.0%} margin); not run", env=judged), prediction
     if not searched:
         return run_once(spec, run_dir, overrides, progress), prediction
     outcome = find_batch.measured(spec, capacity, run_dir,
-                                  lambda probe, where: run_once(probe, where, overrides, progress))
+                                  lambda probe, where: run_once(probe, where, overrides, progress), runnable)
     best = outcome.metrics.get("max_batch_size")
-    if best and best > 1:
+    if best and best != smallest:
         prediction = predicted(spec.with_micro_batch(best))
     return outcome, prediction

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from ablate import find_batch
+from ablate import find_batch, outcome
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
 from launch.local import Outcome
@@ -110,3 +110,31 @@ def test_planned_without_a_capacity_or_a_fit_says_why():
     out, best = find_batch.planned(config(8), CAPACITY, predict)
     assert out.reason == "no micro-batch of batch_size=8 is predicted to fit 1,000 MiB usable"
     assert best.peak_mib == 5000.0  # the smallest micro-batch's prediction
+
+
+def test_the_search_skips_micro_batches_the_point_cannot_run_at(tmp_path):
+    """optimizer.in_backward steps inside backward and cannot accumulate: the whole batch is its
+    only micro-batch, so the search probes that and nothing the point would call invalid."""
+    spec = compose_spec(["batch_size=8", "find_batch=true", "steps=50", "optimizer.in_backward=true"])
+    assert find_batch.candidates(spec, lambda probe: outcome.validate(probe) is None) == [8]
+    assert find_batch.candidates(config(8), lambda probe: outcome.validate(probe) is None) == [1, 2, 4, 8]
+    runs = FakeRuns(mib_per_sample=100.0)
+    out = find_batch.measured(spec, CAPACITY, tmp_path, runs, valid=lambda probe: micro_of(probe) == 8)
+    assert out.status == "ok" and out.metrics["max_batch_size"] == 8
+    assert [micro for micro, _, _ in runs.calls] == [8, 8]  # one probe, then the point
+    planned, best = find_batch.planned(spec, CAPACITY, lambda probe: prediction(100.0 * micro_of(probe)),
+                                       valid=lambda probe: micro_of(probe) == 8)
+    assert planned.metrics == {"max_batch_size": 8} and best.peak_mib == 800.0
+
+
+def test_an_in_backward_point_is_searched_not_invalid(tmp_path):
+    """The same through the job, for real: the fit_llama_1b preset's in-backward rungs were
+    `invalid`, because the search probed micro-batch 4 of 16, then 2, then 1."""
+    from tests.helpers import results_under, run_cli
+
+    proc = run_cli(["find_batch=true", "optimizer.in_backward=true", "batch_size=8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = results_under(tmp_path)  # the probe's directory holds no result.json of its own
+    assert row["status"] == "ok", row["reason"]
+    assert row["metrics"]["max_batch_size"] == 8
+    assert [p["micro_batch"] for p in row["metrics"]["find_batch"]] == [8]

@@ -37,16 +37,10 @@ CPU_ONLY = {
     # nothing is saved there (on a GPU, -46%).
     ("single_gpu_techniques", "offload=activations rung=9"): 0,
 }
-# Points that do not run on a CPU at scale=cpu: (preset, point) -> words of their reason.
-# fit_llama_1b's find_batch probes micro-batches under accumulation, which optimizer.in_backward
-# refuses, so no micro-batch "fits": as under the earlier scaled-down overrides. Its plan judges
-# the same micro-batches by prediction alone, which does not refuse them.
-IN_BACKWARD = ["checkpoint=block", "optimizer=adamw8bit", "optimizer.in_backward=true", "precision=bf16_pure"]
-NOT_RUN = {
-    ("fit_llama_1b", " ".join(sorted([f"gpu_memory_gib={card}", f"rung={rung}", *IN_BACKWARD, *extra]))):
-        "optimizer.in_backward=true needs accumulation=none"
-    for card in ("8", "16", "24") for rung, extra in ((4, []), (5, ["offload=activations"]))
-}
+# Points that do not run on a CPU at scale=cpu: (preset, point) -> words of their reason. None
+# today (fit_llama_1b's in-backward rungs were, until find_batch searched only the micro-batches a
+# point can run at).
+NOT_RUN: dict[tuple[str, str], str] = {}
 
 # Presets whose CPU runs have no traced peak: FSDP1 wraps parameters in flat views that MemTracker
 # cannot follow (README). Their CPU direction is the prediction each run records for itself.
