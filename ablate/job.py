@@ -23,11 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 from ablate import results
 from ablate.claim import claimed
 from ablate.console import Progress
-from ablate.outcome import outcome_of
 from ablate.predict import Prediction
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
 from ablate.spec import RunSpec
-from launch.local import pass_on_stop
+from launch.local import pass_on_stop, prestarted
 from launch.nvml import visible_gpu_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +158,16 @@ def link_artifacts(result: dict, old_dir: Path, new_dir: Path) -> None:
             os.link(src, dst)
         except OSError:  # another filesystem, or none that links
             shutil.copy2(src, dst)
+
+
+def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress):
+    """ablate/outcome.py's outcome of the point, its worker started first (launch/warm.py): the
+    worker imports while this process imports torch (for the prediction), validates and predicts.
+    A point found done never imports torch here."""
+    with prestarted(spec) if not spec.predict_only else contextlib.nullcontext():
+        from ablate import outcome
+
+        return outcome.outcome_of(spec, run_dir, overrides, progress)
 
 
 def run_point(cfg: DictConfig) -> dict:

@@ -18,7 +18,7 @@ from ablate.predict import Prediction, predict
 from ablate.predict.timeline import Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
-from launch.local import Outcome, run_worker
+from launch.local import Outcome, run_worker, worker_command
 from launch.nvml import gpu_total_mib, visible_gpu_count
 
 
@@ -30,13 +30,8 @@ def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progres
                                     indent=2))
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
     results.clear_artifacts(run_dir)
-    parallel = spec.groups["parallel"]
-    distributed = not parallel["_target_"].endswith(".Single")  # the others run their ranks under torchrun
-    module = "launch.torchrun" if distributed else "ablate.worker"
-    world = parallel["nproc"] * parallel["nodes"] if distributed else 1
-    env = {"PYTORCH_CUDA_ALLOC_CONF": spec.alloc_conf} if spec.alloc_conf else {}
-    return run_worker([sys.executable, "-m", module, str(spec_path)], run_dir, spec.timeout_s,
-                      world_size=world, on_event=progress, env=env)
+    argv, world, env = worker_command(spec)
+    return run_worker([*argv, str(spec_path)], run_dir, spec.timeout_s, world_size=world, on_event=progress, env=env)
 
 
 def validate(spec: RunSpec) -> Outcome | None:

@@ -1,6 +1,7 @@
 """The worker: one process that builds, trains and measures one grid point, then reports.
 
-Started by the job as `python -m ablate.worker <run_dir>/spec.json`. It reports through
+Started by the job as `python -m ablate.worker <run_dir>/spec.json`, or ahead of its point with
+`--wait` to read that path on stdin once imported (launch/warm.py). It reports through
 <run_dir>/events.jsonl (ablate/events.py), never through its exit code alone, so the job can tell
 an OOM from a crash without reading logs.
 """
@@ -22,6 +23,7 @@ from ablate.artifacts import dump_oom_snapshot
 from ablate.events import EventWriter
 from ablate.runner import run
 from ablate.techniques import Invalid
+from launch import warm
 
 
 def inject_fault(overrides: list[str], rank: int = 0) -> None:
@@ -87,7 +89,8 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
+    spec_path = warm.spec_path(sys.argv[1:])  # started warm: waits here, imported, for its spec
+    code = main(spec_path) if spec_path else 0
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter finalisation: tearing down a gloo process group while DDP's reducer is

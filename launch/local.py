@@ -10,6 +10,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from ablate.events import EventReader, phase_seconds
+from ablate.spec import RunSpec
+from launch import warm
 from launch.nvml import NvmlSampler
 
 KILL_GRACE_S = 10.0  # SIGTERM first, so torchrun can stop its ranks; SIGKILL after this
@@ -156,17 +159,49 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
     return Outcome("error", f"worker exited with code {returncode} {_without_a_result(log)}")
 
 
+def worker_command(spec: RunSpec) -> tuple[list[str], int, dict]:
+    """How a point's worker starts: its command, without the spec.json path that goes last (one
+    worker, or torchrun's launcher for its ranks), its world size, and what it adds to the
+    environment (the allocator settings it is measured under)."""
+    parallel = spec.groups["parallel"]
+    distributed = not parallel["_target_"].endswith(".Single")  # the others run their ranks under torchrun
+    module = "launch.torchrun" if distributed else "ablate.worker"
+    world = parallel["nproc"] * parallel["nodes"] if distributed else 1
+    return [sys.executable, "-m", module], world, {"PYTORCH_CUDA_ALLOC_CONF": spec.alloc_conf} if spec.alloc_conf else {}
+
+
+def worker_env(extra: dict | None) -> dict:
+    """The whole environment of a worker that adds `extra` to this process's."""
+    return {**os.environ, **(extra or {}), "PYTHONUNBUFFERED": "1"}
+
+
+@contextlib.contextmanager
+def prestarted(spec: RunSpec):
+    """The point's worker started now, for its first launch in the block (launch/warm.py)."""
+    argv, _, extra = worker_command(spec)
+    with warm.prestarted(argv, worker_env(extra), _die_with_parent):
+        yield
+
+
+def _start(cmd: list[str], log: Path, env: dict) -> tuple[subprocess.Popen, warm.Warm | None]:
+    """The warm worker started for this command, else a new process; its output goes to `log`."""
+    ready = warm.take(cmd, env)
+    if ready:
+        return ready.proc, ready
+    with open(log, "w") as log_file:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env, preexec_fn=_die_with_parent), None
+
+
 def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,
                on_event: Callable[[dict], None] = lambda e: None, env: dict | None = None) -> Outcome:
     """Start `cmd` (with `env` added to this process's environment), follow its events, sample
     NVML, enforce the time limit; never raises for the worker's own failures."""
     log = run_dir / "worker.log"
     reader, events, timed_out, stopped = EventReader(run_dir), [], False, []
-    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    env = worker_env(env)
     launched = time.time()  # the workers' event clock (events.py), for timing.phases_s
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env, preexec_fn=_die_with_parent)
+    proc, warmed = _start(cmd, log, env)
     with NvmlSampler(proc.pid) as sampler, _stop_signals(stopped):
 
         def follow() -> None:
@@ -194,6 +229,8 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                 _kill_group(proc)
         follow()
     ended = time.time()
+    if warmed:
+        warmed.settle(log)
     outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
     if stopped and outcome.status != "ok":
         name = signal.Signals(stopped[0]).name

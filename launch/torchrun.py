@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
+
 from ablate.events import EventWriter
+from launch import warm
 
 RDZV_PORT_BASE = 29400  # multi-node: port on the first node, offset by the SLURM job id
 
@@ -32,9 +36,6 @@ def rendezvous_args(nproc: int, nodes: int) -> list[str]:
 
 
 def main(spec_path: str) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     spec = json.loads(Path(spec_path).read_text())
     parallel = spec["config"]["parallel"]
     argv = [*rendezvous_args(parallel["nproc"], parallel["nodes"]), "--monitor-interval=0.2",
@@ -50,4 +51,5 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    spec_path = warm.spec_path(sys.argv[1:])  # started warm: waits here, imported, for its spec
+    sys.exit(main(spec_path) if spec_path else 0)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 
 class Invalid(Exception):
     """This combination cannot run (the grid point becomes a row with status 'invalid')."""
@@ -49,6 +47,11 @@ def require_fp8_gpu(plan: Plan, key: str) -> None:
     (device auto) leaves it to the worker, which checks again with its device."""
     if plan.device not in ("cuda", "auto"):
         raise Invalid(f"{key} needs {FP8_GPU}; device={plan.device} has none")
+    # Here, not at the top: the command line's key check (ablate/keytypes.py) imports Invalid from
+    # this package before any point runs, and a torch imported there (2 s on 2 cores) would be in
+    # the CLI's path instead of beside the prestarted worker's import (launch/warm.py).
+    import torch
+
     if plan.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         major, minor = torch.cuda.get_device_capability()
         raise Invalid(f"{key} needs {FP8_GPU}; {torch.cuda.get_device_name()} is {major}.{minor}")
