@@ -18,14 +18,14 @@ from ablate.predict import Prediction, predict
 from ablate.predict.timeline import Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
-from launch.local import Outcome, run_worker, worker_command
+from launch.local import SPEC, Outcome, run_worker, worker_command
 from launch.nvml import gpu_total_mib, visible_gpu_count
 
 
 def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
     """Start the worker (or torchrun) on run_dir/spec.json: the resolved config it rebuilds the spec from."""
     run_dir.mkdir(parents=True, exist_ok=True)  # find_batch probes run in subdirectories
-    spec_path = run_dir / "spec.json"
+    spec_path = run_dir / SPEC
     spec_path.write_text(json.dumps({"config": spec.to_config(), "run_dir": str(run_dir), "overrides": overrides},
                                     indent=2))
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean

@@ -1,7 +1,7 @@
 """The worker: one process that builds, trains and measures one grid point, then reports.
 
-Started by the job as `python -m ablate.worker <run_dir>/spec.json`, or ahead of its point with
-`--wait` to read that path on stdin once imported (launch/warm.py). It reports through
+Started by the job as `python -m ablate.worker <run_dir>/spec.json` (with `--wait` after it when
+started ahead of its launch: launch/warm.py). It reports through
 <run_dir>/events.jsonl (ablate/events.py), never through its exit code alone, so the job can tell
 an OOM from a crash without reading logs.
 """
@@ -89,8 +89,8 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    spec_path = warm.spec_path(sys.argv[1:])  # started warm: waits here, imported, for its spec
-    code = main(spec_path) if spec_path else 0
+    args = warm.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
+    code = main(args[0]) if args else 0
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter finalisation: tearing down a gloo process group while DDP's reducer is

@@ -22,6 +22,7 @@ from ablate.spec import RunSpec
 from launch import warm
 from launch.nvml import NvmlSampler
 
+SPEC, LOG = "spec.json", "worker.log"  # in the run directory: what the worker runs, what it prints
 KILL_GRACE_S = 10.0  # SIGTERM first, so torchrun can stop its ranks; SIGKILL after this
 
 
@@ -176,32 +177,32 @@ def worker_env(extra: dict | None) -> dict:
 
 
 @contextlib.contextmanager
-def prestarted(spec: RunSpec):
-    """The point's worker started now, for its first launch in the block (launch/warm.py)."""
+def prestarted(spec: RunSpec, spec_path: Path):
+    """The point's worker for spec_path (where `launch` writes it) started now (launch/warm.py)."""
     argv, _, extra = worker_command(spec)
-    with warm.prestarted(argv, worker_env(extra), _die_with_parent):
+    with warm.prestarted([*argv, str(spec_path)], worker_env(extra), spec_path.parent / LOG, _die_with_parent):
         yield
 
 
-def _start(cmd: list[str], log: Path, env: dict) -> tuple[subprocess.Popen, warm.Warm | None]:
-    """The warm worker started for this command, else a new process; its output goes to `log`."""
+def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """The warm worker started for this launch, else a new process; its output goes to `log`."""
     ready = warm.take(cmd, env)
     if ready:
-        return ready.proc, ready
+        return ready
     with open(log, "w") as log_file:
         return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env, preexec_fn=_die_with_parent), None
+                                start_new_session=True, env=env, preexec_fn=_die_with_parent)
 
 
 def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,
                on_event: Callable[[dict], None] = lambda e: None, env: dict | None = None) -> Outcome:
     """Start `cmd` (with `env` added to this process's environment), follow its events, sample
     NVML, enforce the time limit; never raises for the worker's own failures."""
-    log = run_dir / "worker.log"
+    log = run_dir / LOG
     reader, events, timed_out, stopped = EventReader(run_dir), [], False, []
     env = worker_env(env)
     launched = time.time()  # the workers' event clock (events.py), for timing.phases_s
-    proc, warmed = _start(cmd, log, env)
+    proc = _start(cmd, log, env)
     with NvmlSampler(proc.pid) as sampler, _stop_signals(stopped):
 
         def follow() -> None:
@@ -229,8 +230,6 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                 _kill_group(proc)
         follow()
     ended = time.time()
-    if warmed:
-        warmed.settle(log)
     outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
     if stopped and outcome.status != "ok":
         name = signal.Signals(stopped[0]).name

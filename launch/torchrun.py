@@ -51,5 +51,5 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    spec_path = warm.spec_path(sys.argv[1:])  # started warm: waits here, imported, for its spec
-    sys.exit(main(spec_path) if spec_path else 0)
+    args = warm.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
+    sys.exit(main(args[0]) if args else 0)
