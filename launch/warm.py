@@ -9,7 +9,8 @@ as fresh as one started then: nothing runs in it before the go, so its memory fi
 point's alone, and its output goes to the same worker.log.
 
 A launch that does not match (a changed environment, a batch search's probe in a directory of its
-own) starts a fresh process as before, and the warm one is killed: one warm worker at a time.
+own) starts a fresh process as before; a warm worker not taken (that launch, or none: an invalid or
+pruned point) is killed before it has run anything. One warm worker at a time.
 """
 from __future__ import annotations
 
@@ -29,13 +30,16 @@ class Warm:
     proc: subprocess.Popen
     cmd: list[str]  # the launch it will serve, exactly
     env: dict  # its whole environment, as that launch's
+    log: Path  # its output: the run's worker.log
 
     def discard(self) -> None:
-        """Unused: it goes, and whatever it started with it (its own session)."""
+        """Unused: it goes, with whatever it started (its own session) and the log it began: a
+        point that never launched (invalid, pruned) has no worker output."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc.stdin.close()
+        self.log.unlink(missing_ok=True)
 
 
 _waiting: Warm | None = None  # this job process's one warm worker
@@ -50,7 +54,7 @@ def prestart(cmd: list[str], env: dict, log: Path, preexec_fn=None) -> None:
     with open(log, "w") as out:
         proc = subprocess.Popen([*cmd, WAIT_FLAG], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env, preexec_fn=preexec_fn)
-    _waiting = Warm(proc, list(cmd), dict(env))
+    _waiting = Warm(proc, list(cmd), dict(env), log)
 
 
 def take(cmd: list[str], env: dict) -> subprocess.Popen | None:

@@ -58,7 +58,9 @@ def test_hung_worker_times_out_and_leaves_no_process(tmp_path):
     assert not [p for p in psutil.process_iter(["cmdline"]) if spec in (p.info["cmdline"] or [])]
 
 
-def test_invalid_combination_is_a_row_and_starts_no_worker(tmp_path):
+def test_invalid_combination_is_a_row_and_runs_no_worker(tmp_path):
+    """Its worker, started ahead while the job validates (launch/warm.py), is killed unused and
+    leaves no log; no process of it remains."""
     proc = run_cli(["-m", "accumulation.steps=1,3", f"hydra.sweep.dir={tmp_path}/s"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = {r["config"]["accumulation"]["steps"]: r for r in results_under(tmp_path / "s")}
@@ -66,6 +68,7 @@ def test_invalid_combination_is_a_row_and_starts_no_worker(tmp_path):
     assert rows[3]["reason"] == "batch_size=4 is not divisible by accumulation.steps=3"
     assert rows[1]["status"] == "ok"
     assert len(list((tmp_path / "s").rglob("worker.log"))) == 1
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
 
 
 def _as_at_a_terminal() -> None:
