@@ -1,6 +1,6 @@
 """Where a single run's wall time goes outside training, as a user's first commands meet it.
 
-    python benchmarks/point_overhead.py [--repeats N] [--results DIR]
+    python benchmarks/point_overhead.py [--repeats N] [--results DIR] [--tree CHECKOUT --name NAME]
 
 runs each command below `--repeats` times (5), one after another, each into an out_dir of its own,
 and writes `<results>/<device>/point_overhead.md`: per command, the median of the process's wall
@@ -32,11 +32,11 @@ TRAINING = ("warmup", "traced_step", "measured")
 GOAL = 0.25  # issue 40: less than a quarter of the wall time outside training
 
 
-def one_run(args: list[str]) -> dict:
-    """The command once: its wall time (s) and its result."""
+def one_run(args: list[str], tree: Path) -> dict:
+    """The command once, run in the checkout `tree`: its wall time (s) and its result."""
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "ablate", *args, f"out_dir={out}"], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "ablate", *args, f"out_dir={out}"], cwd=tree,
                               capture_output=True, text=True)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
@@ -57,10 +57,10 @@ def summary(runs: list[dict]) -> dict:
             "phases": {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}}
 
 
-def page(results: dict[str, dict], runs: list[dict], repeats: int, load: tuple) -> str:
+def page(results: dict[str, dict], runs: list[dict], repeats: int, load: tuple, command: str) -> str:
     env = runs[0]["result"]["env"]
     lines = ["# Where a single run's time goes", "",
-             "Recorded by `python benchmarks/point_overhead.py`: every figure is a median over "
+             f"Recorded by `{command}`: every figure is a median over "
              f"{repeats} runs of each command, one after another, timed by the script around the process; "
              "the phases are the runs' own `timing.phases_s`.", "",
              f"- commit: `{env.get('git_sha')}`",
@@ -87,17 +87,21 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="benchmarks/point_overhead.py", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where <device>/ goes")
+    parser.add_argument("--tree", type=Path, default=ROOT,
+                        help="the checkout whose ablate runs (another commit's worktree, for a before and after)")
+    parser.add_argument("--name", default="point_overhead", help="the page's name: <results>/<device>/<name>.md")
     args = parser.parse_args(argv)
     load = os.getloadavg()
     every, results = [], {}
     for command in COMMANDS:
-        runs = [one_run(command) for _ in range(args.repeats)]
+        runs = [one_run(command, args.tree) for _ in range(args.repeats)]
         every += runs
         results["python -m ablate " + shlex.join(command)] = summary(runs)
     out = Path(args.results) / device_dir(every[0]["result"]["env"].get("gpu_name"))
     out.mkdir(parents=True, exist_ok=True)
-    md = out / "point_overhead.md"
-    md.write_text(page(results, every, args.repeats, load))
+    md = out / f"{args.name}.md"
+    command = shlex.join(["python", "benchmarks/point_overhead.py", *(sys.argv[1:] if argv is None else argv)])
+    md.write_text(page(results, every, args.repeats, load, command))
     print(md.read_text())
     return md
 
