@@ -25,11 +25,7 @@ def under_margin(peak_mib: float | None, capacity: float | None) -> bool:
     return not (capacity and peak_mib and peak_mib > capacity * (1 - MARGIN))
 
 
-def everything(spec: RunSpec) -> bool:
-    return True
-
-
-def candidates(spec: RunSpec, valid: Callable[[RunSpec], bool] = everything) -> list[int]:
+def candidates(spec: RunSpec, valid: Callable[[RunSpec], bool]) -> list[int]:
     """The divisors of batch_size whose micro-batch the point can run with, ascending: an option
     that cannot accumulate (optimizer.in_backward) leaves only the whole batch. Never empty for a
     valid point: the whole batch is the point itself."""
@@ -37,9 +33,9 @@ def candidates(spec: RunSpec, valid: Callable[[RunSpec], bool] = everything) -> 
 
 
 def planned(spec: RunSpec, capacity: float | None, predict: Callable[[RunSpec], Prediction | None],
-            valid: Callable[[RunSpec], bool] = everything) -> tuple[Outcome, Prediction | None]:
-    """The search under predict_only: each micro-batch `valid` allows judged by `predict` (the
-    job's predictor), nothing run. Plans a card with gpu_memory_gib."""
+            micros: list[int] | None = None) -> tuple[Outcome, Prediction | None]:
+    """The search under predict_only over `micros` (`candidates`; None: every divisor), each
+    judged by `predict` (the job's predictor), nothing run. Plans a card with gpu_memory_gib."""
     if not capacity:
         reason = "find_batch needs a capacity to search against: set gpu_memory_gib (no GPU memory applies here)"
         return Outcome("predicted", reason), predict(spec)
@@ -49,7 +45,7 @@ def planned(spec: RunSpec, capacity: float | None, predict: Callable[[RunSpec], 
         seen[micro] = predict(spec.with_micro_batch(micro))
         return seen[micro] is not None and under_margin(seen[micro].peak_mib, capacity)
 
-    micros = candidates(spec, valid)
+    micros = micros or micro_batches(spec.batch_size)
     best = largest_fitting(micros, fits)
     if best is None:
         return Outcome("predicted", f"no micro-batch of batch_size={spec.batch_size} is predicted to fit "
@@ -66,8 +62,9 @@ class _Stopped(Exception):
 
 
 def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable[[RunSpec, Path], Outcome],
-             valid: Callable[[RunSpec], bool] = everything) -> Outcome:
-    """Binary-search the largest micro-batch (of those `valid` allows) that fits with one-step probe runs, each in its own
+             micros: list[int] | None = None) -> Outcome:
+    """Binary-search the largest micro-batch of `micros` (`candidates`; None: every divisor) that
+    fits with one-step probe runs, each in its own
     directory under run_dir (any rank failing fails the probe), then run the point at that
     micro-batch in run_dir. A probe's peak (reserved, else allocated) must stay under_margin.
     Every probe is listed in metrics.find_batch, the answer in metrics.max_batch_size."""
@@ -83,7 +80,7 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
         return ok
 
     try:
-        best = largest_fitting(candidates(spec, valid), fits)
+        best = largest_fitting(micros or micro_batches(spec.batch_size), fits)
     except _Stopped as stop:
         stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes}
         return stop.outcome

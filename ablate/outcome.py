@@ -112,14 +112,15 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
     def runnable(probe: RunSpec) -> bool:  # a micro-batch this point can run at (find_batch searches those)
         return validate(probe) is None
 
+    micros = find_batch.candidates(spec, runnable) if spec.find_batch else None  # validated once
     if spec.predict_only and spec.find_batch:
-        outcome, prediction = find_batch.planned(spec, capacity, predicted, runnable)
+        outcome, prediction = find_batch.planned(spec, capacity, predicted, micros)
         return replace(outcome, env=judged), prediction
     if spec.predict_only:
         prediction = predicted(spec)
         return replace(plan_outcome(prediction, capacity), env=judged), prediction
     searched = spec.find_batch
-    smallest = find_batch.candidates(spec, runnable)[0] if searched else None
+    smallest = micros[0] if searched else None
     prediction = predicted(spec.with_micro_batch(smallest) if searched else spec)
     if spec.prune and prediction and capacity and prediction.peak_mib > capacity * (1 + spec.prune_margin):
         at = f" at micro-batch {smallest}" if searched else ""
@@ -128,7 +129,7 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
     if not searched:
         return run_once(spec, run_dir, overrides, progress), prediction
     outcome = find_batch.measured(spec, capacity, run_dir,
-                                  lambda probe, where: run_once(probe, where, overrides, progress), runnable)
+                                  lambda probe, where: run_once(probe, where, overrides, progress), micros)
     best = outcome.metrics.get("max_batch_size")
     if best and best != smallest:
         prediction = predicted(spec.with_micro_batch(best))

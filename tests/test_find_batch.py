@@ -119,11 +119,12 @@ def test_the_search_skips_micro_batches_the_point_cannot_run_at(tmp_path):
     assert find_batch.candidates(spec, lambda probe: outcome.validate(probe) is None) == [8]
     assert find_batch.candidates(config(8), lambda probe: outcome.validate(probe) is None) == [1, 2, 4, 8]
     runs = FakeRuns(mib_per_sample=100.0)
-    out = find_batch.measured(spec, CAPACITY, tmp_path, runs, valid=lambda probe: micro_of(probe) == 8)
+    micros = find_batch.candidates(spec, lambda probe: micro_of(probe) == 8)
+    out = find_batch.measured(spec, CAPACITY, tmp_path, runs, micros)
     assert out.status == "ok" and out.metrics["max_batch_size"] == 8
     assert [micro for micro, _, _ in runs.calls] == [8, 8]  # one probe, then the point
     planned, best = find_batch.planned(spec, CAPACITY, lambda probe: prediction(100.0 * micro_of(probe)),
-                                       valid=lambda probe: micro_of(probe) == 8)
+                                       micros)
     assert planned.metrics == {"max_batch_size": 8} and best.peak_mib == 800.0
 
 
