@@ -66,16 +66,31 @@ class MemoryLimit:
         return {"emulated_gpu_mib": self.gib * 1024 if self.gib else None}
 
 
-def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> int | None:
+def largest_fitting(candidates: list[int], fits: Callable[[int], bool], guess: int | None = None) -> int | None:
     """Binary search of sorted `candidates` for the largest one that fits, assuming that whatever
-    is smaller than a fitting size fits too. None if even the smallest does not."""
+    is smaller than a fitting size fits too. None if even the smallest does not.
+
+    `guess` (a candidate: the largest predicted to fit) is tried first, then its neighbour on the
+    side its answer points to, before the search goes on in what is left: a right guess costs two
+    probes (one at either end of the list), a wrong one at most two more than the plain search
+    takes at worst."""
     lo, hi = -1, len(candidates)  # candidates[lo] fits (or lo = -1); candidates[hi] does not (or hi = len)
-    while hi - lo > 1:
-        mid = (lo + hi + 1) // 2
-        if fits(candidates[mid]):
-            lo = mid
+
+    def probe(i: int) -> None:
+        nonlocal lo, hi
+        if fits(candidates[i]):
+            lo = i
         else:
-            hi = mid
+            hi = i
+
+    if guess in candidates:
+        at = candidates.index(guess)
+        probe(at)
+        beside = at + 1 if lo == at else at - 1
+        if lo < beside < hi:
+            probe(beside)
+    while hi - lo > 1:
+        probe((lo + hi + 1) // 2)
     return candidates[lo] if lo >= 0 else None
 
 

@@ -62,12 +62,13 @@ class _Stopped(Exception):
 
 
 def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable[[RunSpec, Path], Outcome],
-             micros: list[int] | None = None) -> Outcome:
+             micros: list[int] | None = None, guess: int | None = None) -> Outcome:
     """Binary-search the largest micro-batch of `micros` (`candidates`; None: every divisor) that
-    fits with one-step probe runs, each in its own
-    directory under run_dir (any rank failing fails the probe), then run the point at that
-    micro-batch in run_dir. A probe's peak (reserved, else allocated) must stay under_margin.
-    Every probe is listed in metrics.find_batch, the answer in metrics.max_batch_size."""
+    fits with one-step probe runs, each in its own directory under run_dir (any rank failing fails
+    the probe), starting at `guess` (`planned`'s answer, when a capacity is known), then run the
+    point at that micro-batch in run_dir. A probe's peak (reserved, else allocated) must stay
+    under_margin. Every probe is listed in metrics.find_batch, the answer in metrics.max_batch_size
+    and the guess in metrics.predicted_max_batch_size."""
     probes: list[dict] = []
 
     def fits(micro: int) -> bool:
@@ -80,11 +81,11 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
         return ok
 
     try:
-        best = largest_fitting(micros or micro_batches(spec.batch_size), fits)
+        best = largest_fitting(micros or micro_batches(spec.batch_size), fits, guess)
     except _Stopped as stop:
-        stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes}
+        stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes, "predicted_max_batch_size": guess}
         return stop.outcome
-    found = {"find_batch": probes, "max_batch_size": best}
+    found = {"find_batch": probes, "max_batch_size": best, "predicted_max_batch_size": guess}
     if best is None:
         # The search starts in the middle: the smallest micro-batch is the last probe, not the
         # first, and its failure is the point's (a larger one may have failed otherwise).

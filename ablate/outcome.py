@@ -128,9 +128,13 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
                               f"(+{spec.prune_margin:.0%} margin); not run", env=judged), prediction
     if not searched:
         return run_once(spec, run_dir, overrides, progress), prediction
+    # The search starts where the predictions say the largest micro-batch that fits is: when
+    # they are right, two probes (it and the next larger) settle it.
+    plan, at_guess = find_batch.planned(spec, capacity, predicted, micros) if capacity else (None, None)
+    guess = plan.metrics.get("max_batch_size") if plan else None
     outcome = find_batch.measured(spec, capacity, run_dir,
-                                  lambda probe, where: run_once(probe, where, overrides, progress), micros)
+                                  lambda probe, where: run_once(probe, where, overrides, progress), micros, guess)
     best = outcome.metrics.get("max_batch_size")
     if best and best != smallest:
-        prediction = predicted(spec.with_micro_batch(best))
+        prediction = at_guess if best == guess else predicted(spec.with_micro_batch(best))
     return outcome, prediction

@@ -29,7 +29,7 @@ METRIC_KEYS = (
     "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
     "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
     "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
-    "losses", "per_rank", "max_batch_size", "find_batch",
+    "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch",
 )
 # Files a worker leaves beside result.json (ablate/artifacts.py), by the key that names them under
 # "artifacts": each the file's path relative to result.json's directory, or null when not written.

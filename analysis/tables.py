@@ -216,6 +216,9 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     if "max_batch_size" in df and df["max_batch_size"].notna().any():  # find_batch's answer, which
         # is also the micro-batch the row's metrics are of
         out["Max micro-batch"] = [num(v, ".0f") for v in df["max_batch_size"]]
+    if "predicted_max_batch_size" in df and df["predicted_max_batch_size"].notna().any():
+        # where a measured search started: the predictor's answer, beside the probes' own
+        out["Predicted max micro-batch"] = [num(v, ".0f") for v in df["predicted_max_batch_size"]]
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
         values = df[column] if column in df else pd.Series(float("nan"), index=df.index)

@@ -1,10 +1,13 @@
 """Capacity planning through the CLI: predict_only, prune, emulated GPU size, largest batch that fits."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ablate import results
 from ablate.capacity import CUDA_CONTEXT_MIB, MemoryLimit, largest_fitting, micro_batches
@@ -34,6 +37,23 @@ def test_largest_fitting_is_a_binary_search():
     assert len(tried) <= 4  # 12 divisors of 96: ceil(log2(13)) probes
     assert largest_fitting([1, 2, 4], lambda m: False) is None
     assert micro_batches(12) == [1, 2, 3, 4, 6, 12]
+
+
+@given(batch=st.integers(1, 720), limit=st.integers(0, 800), guess=st.integers(0, 800))
+def test_a_guess_changes_how_many_probes_the_search_takes_never_its_answer(batch, limit, guess):
+    """find_batch's guess is the largest micro-batch predicted to fit: right, the search takes two
+    probes (one where the guess is an end of the list); wrong by any amount, the same answer
+    as without it, with at most two probes more than the plain search's worst case."""
+    candidates = micro_batches(batch)
+    plain, guided = [], []
+    expected = largest_fitting(candidates, lambda m: plain.append(m) or m <= limit)
+    assert expected == max([m for m in candidates if m <= limit], default=None)
+    assert largest_fitting(candidates, lambda m: guided.append(m) or m <= limit, guess) == expected
+    worst = math.ceil(math.log2(len(candidates) + 1))  # the plain binary search's most probes
+    assert len(plain) <= worst and len(guided) <= worst + 2
+    assert len(set(guided)) == len(guided)  # no micro-batch probed twice
+    if guess == expected:
+        assert len(guided) <= 2 and guided[0] == guess
 
 
 def test_the_cap_names_the_gpu_by_index(monkeypatch):
@@ -107,8 +127,9 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     (row,) = results_under(tmp_path)
     assert row["status"] == "ok", row["reason"]
     assert row["metrics"]["max_batch_size"] == 8
-    probes = {p["micro_batch"]: p["fits"] for p in row["metrics"]["find_batch"]}
-    assert probes[8] and not probes[16] and len(probes) <= 3
+    # The search starts at the micro-batch predicted to fit, and the next larger one settles it.
+    assert row["metrics"]["predicted_max_batch_size"] == 8
+    assert [(p["micro_batch"], p["fits"]) for p in row["metrics"]["find_batch"]] == [(8, True), (16, False)]
     assert row["metrics"]["tokens_per_s"] > 0 and row["config"]["batch_size"] == 32
     assert RunSpec.of(row["config"]).with_micro_batch(8).groups["accumulation"]["steps"] == 4
     # the prediction is of what was measured, micro-batch 8 (batch 32 whole would read +100%)
@@ -117,8 +138,9 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
                             capture_output=True, text=True, timeout=120)
     lines = report.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if "Max micro-batch" in line)  # the "All runs" table
-    column = [c.strip() for c in lines[at].split("|")].index("Max micro-batch")
-    assert lines[at + 2].split("|")[column].strip() == "8"
+    headings = [c.strip() for c in lines[at].split("|")]
+    row_cells = [c.strip() for c in lines[at + 2].split("|")]
+    assert row_cells[headings.index("Max micro-batch")] == row_cells[headings.index("Predicted max micro-batch")] == "8"
 
 
 def test_find_batch_with_predict_only_plans_a_card_without_running(tmp_path):

@@ -52,6 +52,19 @@ def test_the_search_probes_a_few_micro_batches_then_runs_the_largest_that_fits(t
     assert {p["micro_batch"]: p["fits"] for p in out.metrics["find_batch"]} == {m: m <= 8 for m, _, _ in probes}
 
 
+def test_the_search_starts_at_the_guess_and_checks_the_next_larger(tmp_path):
+    """The job's guess is the largest micro-batch predicted to fit: a right one settles the search
+    in two probes, where the plain search of 512's ten divisors takes four."""
+    runs = FakeRuns(mib_per_sample=100.0)  # 8 fits, 16 does not
+    out = find_batch.measured(config(512), CAPACITY, tmp_path, runs, guess=8)
+    assert [micro for micro, _, _ in runs.calls] == [8, 16, 8]  # two probes, then the point
+    assert out.metrics["max_batch_size"] == 8 and out.metrics["predicted_max_batch_size"] == 8
+    wrong = FakeRuns(mib_per_sample=100.0)
+    out = find_batch.measured(config(512), CAPACITY, tmp_path, wrong, guess=64)  # predicted 8x too big
+    assert out.metrics["max_batch_size"] == 8 and out.metrics["predicted_max_batch_size"] == 64
+    assert [micro for micro, _, _ in wrong.calls][:2] == [64, 32]
+
+
 def test_a_peak_inside_the_margin_does_not_fit(tmp_path):
     # micro-batch 1 peaks at 960 MiB: under the capacity, but not 5% under it
     out = find_batch.measured(config(4), CAPACITY, tmp_path, FakeRuns(mib_per_sample=960.0))
