@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,21 +91,31 @@ def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, dev
     return trace.at_peak, trace.peak_mib, warm_peaks
 
 
+def trainer(spec: RunSpec, t: Techniques, data: TokenData,
+            device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], torch.Tensor]]:
+    """The built model and optimizer, and step(k): one optimizer step on this rank's slice of
+    global batch k, returning its loss (benchmarks/profile_step.py profiles the same step)."""
+    model = build_model(t, device, compile=spec.compile)
+    optimizer = build_optimizer(model, t)
+    scaler = t.precision.grad_scaler(device.type)  # allocates nothing until its first step
+    B, rank, world = spec.batch_size, t.parallel.rank, t.parallel.world_size
+
+    def step(k: int) -> torch.Tensor:  # rank r trains on the r-th slice of global batch k
+        return train_step(model, optimizer, scaler, t, data.train_batch(k, B, rank, world), device)
+
+    return model, optimizer, step
+
+
 def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, events: EventWriter,
           before_first_step=lambda: None, run_dir: Path | None = None) -> tuple[torch.nn.Module, Trained]:
     mem, history = measure.DeviceMemory(device), artifacts.AllocatorHistory(device)
     events.emit("phase", phase="init")
     mem.reset()
-    model = build_model(t, device, compile=spec.compile)
-    optimizer = build_optimizer(model, t)
+    model, optimizer, step = trainer(spec, t, data, device)
     init_peak = mem.peak_allocated_mib()
-    scaler = t.precision.grad_scaler(device.type)
     optimizer_steps = measure.StepCounter(optimizer)
-    B, rank, world, warmup = spec.batch_size, t.parallel.rank, t.parallel.world_size, spec.warmup_steps
+    B, world, warmup = spec.batch_size, t.parallel.world_size, spec.warmup_steps
     steps = math.ceil(spec.samples / (B * world)) if spec.samples else spec.steps
-
-    def step(k: int) -> torch.Tensor:  # rank r trains on the r-th slice of global batch k
-        return train_step(model, optimizer, scaler, t, data.train_batch(k, B, rank, world), device)
 
     events.emit("phase", phase="train")
     before_first_step()
@@ -118,7 +129,7 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
     breakdown, traced_peak, warm_peaks = None, None, {}
     if warmup >= 1:
         events.emit("phase", phase="trace")
-        out = run_dir if rank == 0 else None  # rank 0 writes the files
+        out = run_dir if t.parallel.rank == 0 else None  # rank 0 writes the files
         breakdown, traced_peak, warm_peaks = last_warmup_step(lambda: losses.append(step(warmup - 1)), model,
                                                               optimizer, t, device, mem, history, out)
     events.emit("phase", phase="measure")

@@ -17,7 +17,7 @@ PRESETS = {
     "single_gpu_techniques": ("gpt2", 11, 11),
     "layer_recompute": ("gpt-nano", 6, 6),
     "leanest": ("gpt2-large", 6, 6),
-    "gpt2_throughput": ("gpt2", None, 2),
+    "gpt2_throughput": ("gpt2", None, 4),
     "predict_check": ("gpt2", None, 16),
     "fit_llama_1b": ("llama3.2-1b", 6, 18),
 }
