@@ -1,10 +1,12 @@
 """benchmarks/profile_step.py: a point's steps under torch.profiler, as a page of where the time goes."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
 
+import pytest
 from torch.autograd import DeviceType
 
 from tests.helpers import FAST, ROOT
@@ -68,3 +70,26 @@ def test_on_a_gpu_kernels_rank_by_device_time_and_host_waits_are_counted():
     assert rows(page, "| Kernel |") == [["`sm90_xmma_gemm_bf16`", "20", "4.500", "64.3%"],
                                         ["`flash_fwd_kernel`", "12", "1.500", "21.4%"]]
     assert rows(page, "| Call |") == [["`cudaStreamSynchronize`", "1", "2.000"]]  # launches are no wait
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_page_ranks_the_steps_kernels(tmp_path):
+    """The CUDA path for real (the GPU host runs it before profiling gpt2 with it): kernels with
+    device time, the step's kernel time inside its wall time, and the waits table."""
+    import torch
+
+    from bench import device_dir
+
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker was selected on a machine without CUDA")
+    args = ["--results", str(tmp_path), "--steps", "2", "--top", "5", "model=gpt-mini", "precision=bf16",
+            "batch_size=8", "seq_len=256", "device=cuda"]
+    proc = subprocess.run([sys.executable, "benchmarks/profile_step.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / device_dir(torch.cuda.get_device_name()) / "profile_step.md").read_text()
+    kernels = rows(page, "| Kernel |")
+    assert len(kernels) == 5 and all(float(r[2]) > 0 for r in kernels)
+    wall, busy = re.search(r"Per step: ([\d.]+) ms wall, ([\d.]+) ms on the device", page).groups()
+    assert 0 < float(busy) <= float(wall) * 1.05  # kernels run inside the step (one stream, little overlap)
+    assert rows(page, "| Call |")  # the waits table, even if it says (none)
