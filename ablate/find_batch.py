@@ -65,10 +65,10 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
              micros: list[int] | None = None, guess: int | None = None) -> Outcome:
     """Binary-search the largest micro-batch of `micros` (`candidates`; None: every divisor) that
     fits with one-step probe runs, each in its own directory under run_dir (any rank failing fails
-    the probe), starting at `guess` (`planned`'s answer, when a capacity is known), then run the
-    point at that micro-batch in run_dir. A probe's peak (reserved, else allocated) must stay
-    under_margin. Every probe is listed in metrics.find_batch, the answer in metrics.max_batch_size
-    and the guess in metrics.predicted_max_batch_size."""
+    the probe), starting at `guess` (`planned`'s answer, when a capacity is known; without one, at
+    the whole batch), then run the point at that micro-batch in run_dir. A probe's peak (reserved,
+    else allocated) must stay under_margin. Every probe is listed in metrics.find_batch, the answer
+    in metrics.max_batch_size and the guess in metrics.predicted_max_batch_size."""
     probes: list[dict] = []
 
     def fits(micro: int) -> bool:
@@ -81,7 +81,11 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
         return ok
 
     try:
-        best = largest_fitting(micros or micro_batches(spec.batch_size), fits, guess)
+        micros = micros or micro_batches(spec.batch_size)
+        # Without a capacity (a CPU, no gpu_memory_gib) only a failing probe stops a micro-batch:
+        # the whole batch goes first, and one probe settles a point that runs.
+        start = guess if capacity else micros[-1]
+        best = largest_fitting(micros, fits, start)
     except _Stopped as stop:
         stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes, "predicted_max_batch_size": guess}
         return stop.outcome

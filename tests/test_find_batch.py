@@ -65,6 +65,22 @@ def test_the_search_starts_at_the_guess_and_checks_the_next_larger(tmp_path):
     assert [micro for micro, _, _ in wrong.calls][:2] == [64, 32]
 
 
+def test_without_a_capacity_the_whole_batch_is_probed_first(tmp_path):
+    """On a CPU without gpu_memory_gib no peak can be too big: one probe of the whole batch
+    settles a point that runs; only a failing probe sends the search lower."""
+    runs = FakeRuns(mib_per_sample=100.0)
+    out = find_batch.measured(config(32), None, tmp_path, runs)
+    assert [micro for micro, _, _ in runs.calls] == [32, 32] and out.metrics["max_batch_size"] == 32
+    assert out.metrics["predicted_max_batch_size"] is None
+
+    def killed_above_8(cfg, where):  # e.g. the host's OOM killer
+        return Outcome("error", "worker killed by SIGKILL") if micro_of(cfg) > 8 else Outcome("ok", None, {})
+
+    out = find_batch.measured(config(32), None, tmp_path, killed_above_8)
+    assert out.status == "ok" and out.metrics["max_batch_size"] == 8
+    assert [p["micro_batch"] for p in out.metrics["find_batch"]][:2] == [32, 16]
+
+
 def test_a_peak_inside_the_margin_does_not_fit(tmp_path):
     # micro-batch 1 peaks at 960 MiB: under the capacity, but not 5% under it
     out = find_batch.measured(config(4), CAPACITY, tmp_path, FakeRuns(mib_per_sample=960.0))
