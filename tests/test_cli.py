@@ -21,7 +21,7 @@ METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_p
            "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
            "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
            "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
-           "losses", "per_rank", "max_batch_size", "find_batch"}
+           "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch"}
 ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname", "git_sha", "python",
        "slurm_job_id", "cuda_visible_devices"}
 CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss"}
@@ -61,7 +61,9 @@ def test_result_carries_every_contract_field(sweep):
         phases = r["timing"]["phases_s"]
         assert list(phases) == ["startup", "setup", "build", "warmup", "traced_step", "measured", "eval", "teardown"]
         assert all(s >= 0 for s in phases.values()) and sum(phases.values()) <= r["timing"]["wall_s"]
-        assert phases["measured"] >= r["metrics"]["train_latency_s"]  # the timed steps are inside it
+        # The timed steps are inside it. Phases are rounded to the ms (and read off time.time, the
+        # steps off perf_counter): 3 nano steps of 4 ms once came out 0.3 ms above their phase.
+        assert phases["measured"] >= r["metrics"]["train_latency_s"] - 0.002
         assert set(r["metrics"]["breakdown_mib"]) == {"params", "grads", "optimizer", "activations", "other"}
         m = r["metrics"]
         for key in ("iter_time_ms", "tokens_per_s", "samples_per_s", "loss_first", "loss_final", "eval_loss",
