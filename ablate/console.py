@@ -70,6 +70,7 @@ class Progress:
         else:
             detail = f"{result['status']}: {result['reason']}"
         if m.get("max_batch_size"):  # find_batch's answer, measured or predicted
-            detail = f"max micro-batch {m['max_batch_size']}  " + detail
+            guess = f" (predicted {m['predicted_max_batch_size']})" if m.get("predicted_max_batch_size") else ""
+            detail = f"max micro-batch {m['max_batch_size']}{guess}  " + detail
         self.stream.write(f"[{status:>7}] {self.label}  {detail}  -> {where}\n")
         self.stream.flush()

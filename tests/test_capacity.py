@@ -129,6 +129,7 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     assert row["metrics"]["max_batch_size"] == 8
     # The search starts at the micro-batch predicted to fit, and the next larger one settles it.
     assert row["metrics"]["predicted_max_batch_size"] == 8
+    assert "max micro-batch 8 (predicted 8)" in proc.stdout  # the console line says both
     assert [(p["micro_batch"], p["fits"]) for p in row["metrics"]["find_batch"]] == [(8, True), (16, False)]
     assert row["metrics"]["tokens_per_s"] > 0 and row["config"]["batch_size"] == 32
     assert RunSpec.of(row["config"]).with_micro_batch(8).groups["accumulation"]["steps"] == 4
