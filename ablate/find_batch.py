@@ -91,8 +91,9 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
         return stop.outcome
     found = {"find_batch": probes, "max_batch_size": best, "predicted_max_batch_size": guess}
     if best is None:
-        # The search starts in the middle: the smallest micro-batch is the last probe, not the
-        # first, and its failure is the point's (a larger one may have failed otherwise).
+        # The search starts above the smallest micro-batch (at the guess, the whole batch or the
+        # middle): the smallest is the last probe, and its failure is the point's (a larger one
+        # may have failed otherwise).
         smallest = min(probes, key=lambda p: p["micro_batch"])
         status = smallest["status"] if smallest["status"] in ("invalid", "error", "timeout") else "oom"
         return Outcome(status, f"no micro-batch of batch_size={spec.batch_size} fits: micro-batch "
