@@ -95,13 +95,13 @@ def tables(events, on_gpu: bool, steps: int, top: int) -> tuple[float, list[str]
         own = {e.key: e.self_cpu_time_total for e in events if not e.key.startswith("ProfilerStep")}
         what, unit = "Operator", "CPU"
     calls = {e.key: e.count for e in events}
-    total_us = sum(own.values()) or 1.0
+    total_us = sum(own.values())
     lines = [f"| {what} | Calls per step | {'Device' if on_gpu else 'CPU'} ms per step | Share of {unit} time |",
              "|---|---:|---:|---:|"]
     for name, us in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
         shown = name if len(name) <= 90 else name[:87] + "..."
         lines.append(f"| `{shown.replace('|', '/')}` | {calls[name] / steps:g} | {us / 1e3 / steps:.3f} | "
-                     f"{us / total_us:.1%} |")
+                     f"{us / (total_us or 1.0):.1%} |")
     if on_gpu:
         waits = sorted((e for e in events if e.key in WAITS and e.device_type == DeviceType.CPU),
                        key=lambda e: -e.count)
@@ -109,7 +109,7 @@ def tables(events, on_gpu: bool, steps: int, top: int) -> tuple[float, list[str]
                   "| Call | Calls per step | Host ms per step |", "|---|---:|---:|"]
         lines += [f"| `{e.key}` | {e.count / steps:g} | {e.self_cpu_time_total / 1e3 / steps:.3f} |"
                   for e in waits] or ["| (none) | 0 | 0 |"]
-    return sum(own.values()) / 1e3 / steps, lines
+    return total_us / 1e3 / steps, lines
 
 
 def main(argv: list[str] | None = None) -> Path:
