@@ -37,8 +37,9 @@ for name in "$@"; do
   fi
   echo "== $name ($(date -u +%H:%M:%S))"
   if [ "$name" = gpu-tests ]; then
-    # --durations: which tests take the device time, for planning the next session's calls
-    $(limit) python3 -m pytest -q -m gpu -p no:cacheprovider --durations=0 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
+    # -v names each test as it ends (a deadline kill prints no summary); --durations: which tests
+    # take the device time, for planning the next session's calls
+    $(limit) python3 -m pytest -v -m gpu -p no:cacheprovider --durations=0 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
   else
     read -r script args <<<"$name"  # "gpt2_large_ladder samples=2560": a benchmark with its overrides
     $(limit) python3 "benchmarks/$script.py" $args || status=1
