@@ -7,6 +7,7 @@ an OOM from a crash without reading logs.
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import os
@@ -89,6 +90,9 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
+    # SIGUSR1 writes every thread's Python stack to the log: the job sends it before it kills a
+    # worker past timeout_s, so the timeout row can say where the worker was (launch/local.py).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = warm.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
     code = main(args[0]) if args else 0
     sys.stdout.flush()

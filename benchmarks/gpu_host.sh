@@ -5,7 +5,8 @@
 # result.json into ONE archive, for hosts that hand back only a few files:
 #   ABLATE_GIT_SHA=<commit> bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest
 #                                        # -> $OUT/results.tgz (or outputs/); the commit where no .git came along
-# A quoted name carries its benchmark's overrides: "gpt2_large_ladder samples=2560".
+# A quoted name carries its benchmark's overrides: "gpt2_large_ladder samples=2560" (gpu-tests: pytest's
+# arguments, each one word: "gpu-tests -k fp8", "gpu-tests tests/test_gpu.py").
 # A benchmark that fails does not stop the others; finished grid points are skipped on a rerun. The
 # archive is rewritten after each benchmark, so a command killed at its time limit still hands back
 # everything that finished before. ABLATE_DEADLINE_S=<seconds> stops the benchmark running at that
@@ -36,12 +37,17 @@ for name in "$@"; do
     echo "== $name: skipped, past the deadline of ${ABLATE_DEADLINE_S}s"; status=1; continue
   fi
   echo "== $name ($(date -u +%H:%M:%S))"
-  if [ "$name" = gpu-tests ]; then
-    # -v names each test as it ends (a deadline kill prints no summary); --durations: which tests
-    # take the device time, for planning the next session's calls
-    $(limit) python3 -m pytest -v -m gpu -p no:cacheprovider --durations=0 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
+  read -r script args <<<"$name"  # "gpt2_large_ladder samples=2560": a benchmark with its overrides
+  if [ "$script" = gpu-tests ]; then  # "gpu-tests tests/test_gpu.py -k fp8": pytest's arguments
+    # A deadline kill prints no summary: -v names each test as it ends, and tests/conftest.py writes
+    # each failure's report to gpu-failures.log as it happens. --timeout (pytest-timeout, on the
+    # GPU image) fails a test stuck past 5 minutes instead of letting it eat the call; --durations:
+    # which tests take the device time, for planning the next session's calls.
+    rm -f benchmarks/results/gpu-failures.log
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=300)
+    ABLATE_TEST_FAILURES=benchmarks/results/gpu-failures.log $(limit) python3 -m pytest -v -m gpu \
+      -p no:cacheprovider --durations=0 $per_test $args 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
   else
-    read -r script args <<<"$name"  # "gpt2_large_ladder samples=2560": a benchmark with its overrides
     $(limit) python3 "benchmarks/$script.py" $args || status=1
   fi
   # Past the deadline the sweep's launcher records its stopped point and would go on to the next:

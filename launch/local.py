@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from launch.nvml import NvmlSampler
 
 SPEC, LOG = "spec.json", "worker.log"  # in the run directory: what the worker runs, what it prints
 KILL_GRACE_S = 10.0  # SIGTERM first, so torchrun can stop its ranks; SIGKILL after this
+STACK_DUMP_S = 1.0  # how long a worker past its timeout gets to write its stacks (SIGUSR1) before the kill
 
 
 @dataclass
@@ -92,6 +94,46 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def _dump_stacks(proc: subprocess.Popen) -> None:
+    """Ask a worker (or torchrun's ranks) for its Python stacks in the log (faulthandler on
+    SIGUSR1, registered by ablate.worker), and give it a moment to write them."""
+    try:
+        os.killpg(proc.pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return
+    time.sleep(STACK_DUMP_S)
+
+
+def _hung_at(log: Path) -> str:
+    """Where the log's last stack dump (faulthandler's format, innermost frame first) had its
+    thread: ` at <file>:<line> in <function>`, with the innermost frame of ablate's own code after
+    it (`, from ...`) when the innermost is in a library. Empty without a dump."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Current thread ")]
+    if not starts:
+        return ""
+    frames = []
+    for ln in lines[starts[-1] + 1:]:
+        m = re.match(r'\s+File "(.+)", line (\d+) in (.+)', ln)
+        if not m:
+            break
+        frames.append((m[1], m[2], m[3]))
+    if not frames:
+        return ""
+
+    def where(frame: tuple[str, str, str]) -> str:
+        path = Path(frame[0])
+        short = "/".join(path.parts[-2:]) if len(path.parts) > 1 else frame[0]
+        return f"{short}:{frame[1]} in {frame[2]}"
+
+    ours = next((f for f in frames if f"{os.sep}ablate{os.sep}" in f[0] or f"{os.sep}launch{os.sep}" in f[0]), None)
+    text = f" at {where(frames[0])}"
+    return text + (f", from {where(ours)}" if ours and ours != frames[0] else "")
+
+
 def _without_a_result(log: Path) -> str:
     """"without a result", with the log's last line (the likeliest cause of a silent exit) if any."""
     try:
@@ -130,7 +172,8 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
              world_size: int = 1) -> Outcome:
     """Status and reason from how the worker (or torchrun's group) ended and what it reported."""
     if timed_out:
-        return Outcome("timeout", f"worker still running after timeout_s={timeout_s:g} s; killed")
+        return Outcome("timeout", f"worker still running after timeout_s={timeout_s:g} s; killed{_hung_at(log)} "
+                                  f"(every thread's stack: {log.name})")
     result = next((e for e in events if e["event"] == "result"), None)
     if result and returncode == 0:
         return Outcome("ok", None, result["metrics"], result["env"])
@@ -227,6 +270,8 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                     pass
         finally:  # a timeout, or Ctrl-C in the job: take the whole process group down
             if proc.poll() is None:
+                if timed_out:
+                    _dump_stacks(proc)
                 _kill_group(proc)
         follow()
     ended = time.time()

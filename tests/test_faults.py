@@ -53,6 +53,8 @@ def test_hung_worker_times_out_and_leaves_no_process(tmp_path):
     assert proc.returncode == 1, proc.stderr  # a single run's timeout row, and a non-zero exit
     (row,) = results_under(tmp_path)
     assert row["status"] == "timeout" and "timeout_s=4" in row["reason"]
+    # where it hung, from the stacks it wrote on SIGUSR1 before the kill
+    assert "worker.py:" in row["reason"] and "in inject_fault" in row["reason"], row["reason"]
     assert row["timing"]["wall_s"] < 30
     spec = str(next(tmp_path.rglob("spec.json")))
     assert not [p for p in psutil.process_iter(["cmdline"]) if spec in (p.info["cmdline"] or [])]
@@ -172,3 +174,22 @@ def test_alloc_conf_reaches_the_worker_and_an_exported_one_is_recorded(tmp_path,
     assert proc.returncode == 0, proc.stderr
     (row,) = results_under(tmp_path / "exported")
     assert row["status"] == "ok" and row["config"]["alloc_conf"] == "max_split_size_mb:64"
+
+
+def test_a_timeout_names_the_library_frame_and_ablates_own_below_it(tmp_path):
+    """A worker stuck inside a library (a collective, a kernel wait): the row names that frame and
+    the innermost frame of ablate's code that called it, from faulthandler's dump in the log."""
+    from launch.local import _hung_at
+
+    log = tmp_path / "worker.log"
+    assert _hung_at(log) == ""  # no log
+    log.write_text("step 1\n")
+    assert _hung_at(log) == ""  # no dump
+    log.write_text(
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.12/threading.py", line 359 in wait\n\n'
+        "Current thread 0x00007f02 (most recent call first):\n"
+        '  File "/site/torch/distributed/distributed_c10d.py", line 4200 in barrier\n'
+        '  File "/repo/ablate/runner.py", line 180 in all_ranks\n'
+        '  File "/repo/ablate/worker.py", line 76 in main\n')
+    assert _hung_at(log) == " at distributed/distributed_c10d.py:4200 in barrier, from ablate/runner.py:180 in all_ranks"
