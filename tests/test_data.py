@@ -101,3 +101,37 @@ def test_eval_is_bounded_by_eval_steps_and_off_at_zero():
     assert seen == [4] and one > 0  # one batch of 4 of the 64 held-out samples
     assert evaluate(model, data, 4, t, torch.device("cpu"), batches=3) != one and seen[1:] == [4, 4, 4]
     assert evaluate(model, data, 4, t, torch.device("cpu"), batches=0) is None and len(seen) == 4
+
+
+def test_eval_runs_the_training_micro_batches_and_a_compiled_model_eagerly():
+    """Eval holds a micro-step's memory, not the whole batch's: with accumulation x2 a batch of 4
+    goes through the model as two of 2, and its mean loss is the whole batch's. A compiled model
+    is not compiled again for eval mode (11-15 s on gpt2 on an H200): it runs eagerly."""
+    from ablate.build import check_config
+    from ablate.train import evaluate
+
+    data = Synthetic(vocab_size=64, train_samples=32, eval_samples=64).load(8)
+    overrides = ["model=gpt-nano", "model.vocab_size=64", "data.vocab_size=64", "device=cpu"]
+    whole, halves = (check_config(compose_spec([*overrides, f"accumulation.steps={n}"])) for n in (1, 2))
+    torch.manual_seed(0)
+    model = whole.model.build()
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
+    one = evaluate(model, data, 4, whole, torch.device("cpu"), batches=2)
+    assert seen == [4, 4]
+    split = evaluate(model, data, 4, halves, torch.device("cpu"), batches=2)
+    assert seen[2:] == [2, 2, 2, 2] and split == pytest.approx(one, rel=1e-5)
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts what dynamo hands the compiler
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=backend)
+    x, y = next(iter(data.eval_batches(4)))
+    compiled(x, y)  # training mode: compiled once
+    before = len(graphs)
+    assert before >= 1
+    assert evaluate(compiled, data, 4, whole, torch.device("cpu"), batches=2) == pytest.approx(one, rel=1e-5)
+    assert len(graphs) == before and compiled.training
