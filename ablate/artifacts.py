@@ -1,7 +1,8 @@
 """The files a run leaves beside its result.json to say where the memory went (rank 0 writes them):
 
 - memory_by_module.csv: the traced step's memory per module (MemTracker, any device);
-- memory_snapshot.pickle: the CUDA caching allocator's record of the traced step;
+- memory_snapshot.pickle: the CUDA caching allocator's record of the traced step (under
+  compile=true, of the compiled warm-up step before it: ablate.runner.snapshot_compiled_step);
 - oom_snapshot.pickle: the allocator's state at a CUDA OOM.
 
 A snapshot opens in https://pytorch.org/memory_viz (drag the file onto the page; nothing is

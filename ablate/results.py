@@ -34,7 +34,7 @@ METRIC_KEYS = (
 # Files a worker leaves beside result.json (ablate/artifacts.py), by the key that names them under
 # "artifacts": each the file's path relative to result.json's directory, or null when not written.
 ARTIFACTS = {"memory_by_module": "memory_by_module.csv",  # the traced step, per module (any device)
-             "memory_snapshot": "memory_snapshot.pickle",  # CUDA allocator history of the traced step
+             "memory_snapshot": "memory_snapshot.pickle",  # CUDA allocator history of the traced (or compiled) step
              "oom_snapshot": "oom_snapshot.pickle"}  # CUDA allocator state at an OOM
 ENV_KEYS = ("torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname",
             "git_sha", "python", "slurm_job_id", "cuda_visible_devices")

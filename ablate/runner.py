@@ -69,26 +69,38 @@ def rank_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
 
 
 def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, device: torch.device,
-                     mem: measure.DeviceMemory, history: artifacts.AllocatorHistory,
+                     mem: measure.DeviceMemory, history: artifacts.AllocatorHistory | None,
                      out: Path | None) -> tuple[dict | None, float | None, dict]:
     """The last warm-up step (untimed) is the one looked into: traced by MemTracker for the
     breakdown and memory_by_module.csv where the parallel option allows it, and on CUDA recorded
-    by the allocator for memory_snapshot.pickle. The files go to `out` (rank 0's run directory;
-    None: nowhere). Returns (breakdown, traced peak MiB, the allocator's peaks before the step)."""
-    history.start()  # this step alone: recording slows every allocation down
+    by the allocator for memory_snapshot.pickle (unless `history` is None: a compiled step before
+    it was recorded). The files go to `out` (rank 0's run directory; None: nowhere). Returns
+    (breakdown, traced peak MiB, the allocator's peaks before the step)."""
+    record = history is not None
+    if record:
+        history.start()  # this step alone: recording slows every allocation down
     if not t.parallel.traceable:
         step()
-        history.stop(out)
+        if record:
+            history.stop(out)
         return None, None, {}
     # The allocator's peaks leave the traced step out: they measure training, not the tracer's
     # dispatch mode. Earlier warm-up steps count (the first allocates the optimizer state).
     warm_peaks = mem.peaks()
     trace = measure.traced_step(step, model, optimizer, device)
-    history.stop(out)
+    if record:
+        history.stop(out)
     mem.reset()
     if out is not None:
         artifacts.write_module_csv(artifacts.module_rows(trace, model), out)
     return trace.at_peak, trace.peak_mib, warm_peaks
+
+
+def snapshot_compiled_step(spec: RunSpec) -> int | None:
+    """The warm-up step whose allocations memory_snapshot.pickle records under compile=true: the
+    last one before the traced step, if it is not the first (which compiles). None: the traced
+    step is recorded (no compile, or fewer than three warm-up steps)."""
+    return spec.warmup_steps - 2 if spec.compile and spec.warmup_steps >= 3 else None
 
 
 def trainer(spec: RunSpec, t: Techniques, data: TokenData,
@@ -121,17 +133,26 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
     before_first_step()
     mem.reset()  # the training peak covers warm-up too: the first step allocates optimizer state
     losses, first_step_s = [], None
+    out = run_dir if t.parallel.rank == 0 else None  # rank 0 writes the files
+    # The traced step runs eagerly (MemTracker is a dispatch mode, which torch.compile refuses), so
+    # under compile=true the allocator records the compiled warm-up step before it instead: the
+    # snapshot then shows the memory of the steps that are measured. Not the first, which compiles.
+    compiled = snapshot_compiled_step(spec)
     for k in range(warmup - 1):
+        if compiled == k:
+            history.start()
         start = time.perf_counter()
         losses.append(step(k))
         if k == 0:  # with compile=true this step compiles the graphs
             first_step_s = measure.seconds_since(start, device)
+        if compiled == k:
+            history.stop(out)
     breakdown, traced_peak, warm_peaks = None, None, {}
     if warmup >= 1:
         events.emit("phase", phase="trace")
-        out = run_dir if t.parallel.rank == 0 else None  # rank 0 writes the files
-        breakdown, traced_peak, warm_peaks = last_warmup_step(lambda: losses.append(step(warmup - 1)), model,
-                                                              optimizer, t, device, mem, history, out)
+        breakdown, traced_peak, warm_peaks = last_warmup_step(
+            lambda: losses.append(step(warmup - 1)), model, optimizer, t, device, mem,
+            None if compiled is not None else history, out)
     events.emit("phase", phase="measure")
     timer, start, last_report = measure.StepTimer(device), time.monotonic(), 0.0
     for k in range(warmup, warmup + steps):

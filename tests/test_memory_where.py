@@ -140,3 +140,44 @@ def test_module_names_and_shares_hold_under_wrappers_and_micro_batches(overrides
     assert rows["model"]["at_peak_mib"] == pytest.approx(trace.peak_mib, rel=1e-6)
     fc = rows["transformer.h.0.mlp.c_fc"]
     assert fc["at_peak_grads_mib"] == pytest.approx(fc["at_peak_params_mib"], rel=1e-6) and fc["at_peak_params_mib"] > 0
+
+
+@pytest.mark.parametrize("compile, warmup, recorded", [(False, 3, 2), (True, 3, 1), (True, 4, 2), (True, 2, 1)])
+def test_the_snapshot_records_a_compiled_step_under_compile(monkeypatch, tmp_path, compile, warmup, recorded):
+    """The traced step runs eagerly, so under compile=true memory_snapshot.pickle records the
+    compiled warm-up step before it (never the first, which compiles); without compile, or with
+    no such step (warmup_steps=2), the traced one, the last warm-up step. torch.compile is
+    stubbed out: what is tested is which step the recording surrounds."""
+    from ablate import runner
+    from ablate.build import check_config
+    from ablate.events import EventWriter
+    from helpers import FAST, compose_spec
+
+    spec = compose_spec([*FAST, f"compile={str(compile).lower()}", f"warmup_steps={warmup}", "steps=1"])
+    t = check_config(spec, "cpu")
+    calls = []
+
+    class History:  # the allocator's recorder, as its calls among the steps
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            calls.append("start")
+
+        def stop(self, out=None):
+            calls.append(f"stop -> {out.name}")
+
+    real_trainer = runner.trainer
+
+    def trainer(*args):
+        model, optimizer, step = real_trainer(*args)
+        return model, optimizer, lambda k: (calls.append(f"step{k}"), step(k))[1]
+
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    monkeypatch.setattr(runner, "trainer", trainer)
+    monkeypatch.setattr(artifacts, "AllocatorHistory", History)
+    data = Synthetic(vocab_size=128, train_samples=64).load(16)
+    runner.train(spec, t, data, torch.device("cpu"), EventWriter(tmp_path), run_dir=tmp_path)
+    steps = [f"step{k}" for k in range(warmup + 1)]
+    at = steps.index(f"step{recorded}")
+    assert calls == [*steps[:at], "start", steps[at], f"stop -> {tmp_path.name}", *steps[at + 1:]]
