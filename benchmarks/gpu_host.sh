@@ -6,7 +6,7 @@
 #   ABLATE_GIT_SHA=<commit> bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest
 #                                        # -> $OUT/results.tgz (or outputs/); the commit where no .git came along
 # A quoted name carries its benchmark's overrides: "gpt2_large_ladder samples=2560" (gpu-tests: pytest's
-# arguments, each one word: "gpu-tests -k fp8", "gpu-tests tests/test_gpu.py").
+# arguments, quoted as in a shell: "gpu-tests -k 'fp8 or offload'").
 # A benchmark that fails does not stop the others; finished grid points are skipped on a rerun. The
 # archive is rewritten after each benchmark, so a command killed at its time limit still hands back
 # everything that finished before. ABLATE_DEADLINE_S=<seconds> stops the benchmark running at that
@@ -45,8 +45,9 @@ for name in "$@"; do
     # which tests take the device time, for planning the next session's calls.
     rm -f benchmarks/results/gpu-failures.log
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=300)
+    eval "picked=($args)"  # the quotes in "-k 'fp8 or offload'" keep the expression one argument
     ABLATE_TEST_FAILURES=benchmarks/results/gpu-failures.log $(limit) python3 -m pytest -v -m gpu \
-      -p no:cacheprovider --durations=0 $per_test $args 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
+      -p no:cacheprovider --durations=0 $per_test "${picked[@]}" 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1
   else
     $(limit) python3 "benchmarks/$script.py" $args || status=1
   fi
