@@ -42,9 +42,15 @@ for name in "$@"; do
     # A deadline kill prints no summary: -v names each test as it ends, and tests/conftest.py writes
     # each failure's report to gpu-failures.log as it happens. --timeout (pytest-timeout, on the
     # GPU image) fails a test stuck past 5 minutes instead of letting it eat the call; --durations:
-    # which tests take the device time, for planning the next session's calls.
+    # which tests take the device time, for planning the next session's calls. -n (pytest-xdist, on
+    # the image): ABLATE_GPU_TEST_WORKERS tests at once (4; 1 for one at a time). They spend most
+    # of their time starting processes and compiling on the host's CPUs, and each measures its own
+    # process's allocator, so running side by side changes no assertion; 22 tests took over 9
+    # minutes one at a time on the H200, most of a 15-minute session.
     rm -f benchmarks/results/gpu-failures.log
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=300)
+    workers=${ABLATE_GPU_TEST_WORKERS:-4}
+    (( workers > 1 )) && python3 -c "import xdist" 2>/dev/null && per_test="$per_test -n $workers"
     eval "picked=($args)"  # the quotes in "-k 'fp8 or offload'" keep the expression one argument
     ABLATE_TEST_FAILURES=benchmarks/results/gpu-failures.log $(limit) python3 -m pytest -v -m gpu \
       -p no:cacheprovider --durations=0 $per_test "${picked[@]}" 2>&1 | tee "benchmarks/results/gpu-tests.log" || status=1

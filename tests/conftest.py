@@ -11,7 +11,8 @@ import os
 
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get("ABLATE_TEST_FAILURES")
-    if not path or not report.failed:
+    # Under pytest-xdist the controller gets every worker's reports too: it alone writes them.
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     with open(path, "a", encoding="utf-8") as f:
         f.write(f"{'=' * 30} {report.nodeid} ({report.when}, {report.duration:.1f} s) {'=' * 30}\n")
