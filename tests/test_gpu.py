@@ -127,7 +127,9 @@ def test_an_emulated_card_runs_out_of_memory_for_real_and_a_big_one_fits(tmp_pat
 
 def test_find_batch_on_a_gpu_measures_a_micro_batch_that_fits_the_card(tmp_path):
     """On a card sized for about micro-batch 4, the search settles on a micro-batch whose probe
-    fit and whose double did not, and the measured run at it stays inside the cap."""
+    fit and whose double did not, and the measured run at it stays inside the cap. (Failed on the
+    H200, 2026-11-26, before eval ran in micro-batches: eval at the whole batch of 32 x 1024
+    cannot fit a card sized for 4, so the point that trained became an oom row.)"""
     gib = _gib(1.3 * analytic(compose_spec([*GPT2_1024, "batch_size=4"])).peak_mib)
     proc = run_cli([*GPT2_1024, "batch_size=32", "find_batch=true", f"gpu_memory_gib={gib}"], tmp_path, fast=False,
                    timeout=600)
@@ -229,5 +231,10 @@ def test_parameter_offload_on_one_gpu_keeps_the_losses_and_the_model_state_off_i
     assert [rows[k]["status"] for k in ("none", "params")] == ["ok", "ok"], rows["params"]["reason"]
     m = {k: r["metrics"] for k, r in rows.items()}
     assert m["params"]["losses"] == pytest.approx(m["none"]["losses"], rel=1e-4)
-    assert m["params"]["peak_allocated_mib"] < m["none"]["peak_allocated_mib"] - 124_439_808 * 12 / 2**20
+    # At the peak (the loss's backward, before any gradient exists) the run without offload holds
+    # the parameters and AdamW's states, 12 B/param; the offloaded one holds the root's gathered
+    # fp32 wte (the tied head, 147 MiB) meanwhile. Predicted: 1,274 MiB saved (3,831.5 -> 2,557.7
+    # MiB), under the 12 B/param (1,424 MiB) this asserted before, which likely failed it on the
+    # H200 (2026-11-26). 10 B/param leaves room for the allocator's rounding.
+    assert m["params"]["peak_allocated_mib"] < m["none"]["peak_allocated_mib"] - 124_439_808 * 10 / 2**20
     assert rows["params"]["prediction"]["peak_mib"] == pytest.approx(m["params"]["peak_allocated_mib"], rel=0.10)
