@@ -29,7 +29,9 @@ from ablate.spec import RunSpec  # noqa: E402
 from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
 from analysis.load import LEGACY  # noqa: E402
 
-RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device")
+# compile changes no prediction yet (the model plays the eager step) but tells a compiled row from
+# its eager twin, whose error it does not share.
+RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device", "compile")
 
 
 def overrides(preset: str, row: pd.Series) -> list[str]:

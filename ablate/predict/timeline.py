@@ -82,6 +82,8 @@ class Sizes:
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
+    compiled: bool = False  # compile=true: inductor's fused cross-entropy (Step.compiled_loss_backward)
+    pad_head: bool = False  # ... and, on CUDA, a vocabulary inductor pads for the head's matmuls
     micro_steps: int = 1
     in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
     grads_in_buckets: bool = False  # DDP gradient_as_bucket_view: each gradient is copied into its bucket (`other`)
@@ -218,6 +220,9 @@ class Step:
         tl, c = self.tl, self.c
         n, q = self.slices()
         made = q * c + (q * 4 if c != 4 else 0)
+        if n == 1 and self.z.compiled:  # fused: the logits alone, kept for backward (and returned)
+            tl.alloc("activations", self.keep(q * c))
+            return
         if n == 1:
             tl.alloc("activations", made)
             tl.alloc("activations", self.keep(q * 4))
@@ -239,6 +244,8 @@ class Step:
         head = z.grads[sh.lm_head] if sh.lm_head else z.grads[sh.embedding]
         if n > 1:
             return self.chunked_backward(n, q, head)
+        if z.compiled:
+            return self.compiled_loss_backward(q, head)
         back = q * 4 - keep(q * 4)  # an offloaded log-softmax, copied back for its backward
         tl.alloc("activations", back)
         tl.alloc("other", 2 * q * 4)  # d log-softmax, d logits
@@ -249,6 +256,27 @@ class Step:
         tl.alloc("other", sh.sbh * c)  # d ln_f out
         self.grad(head) if sh.lm_head else tl.alloc("other", head)
         tl.free("other", q * 4)
+
+    def compiled_loss_backward(self, q: float, head: float) -> None:
+        """compile=true on CUDA, the standard loss: inductor fuses log-softmax and its backward, so
+        neither the fp32 copy nor the log-softmax exists; forward kept the logits (compute dtype).
+        Backward holds them with the zero gradient autograd makes for the logits the model
+        returns (the step drops them) and their own gradient: 3 x c bytes per logit, as inductor's
+        generated code for this graph shows on a CPU. On an H200 gpt2 (vocabulary 50,257) held a
+        fourth: both compiled peaks came 4 x c bytes per logit under the eager ones (within 0.05%),
+        where this model says 6 x c. Inferred, not yet seen: it is the gradient padded for the
+        head's matmuls by inductor's pad_mm, which aligns a matmul's dims on GPUs (to 8 elements
+        in 16-bit, 4 in fp32) and 50,257 is not aligned. The vocabulary padded to 50,304 is the
+        check: the next GPU run's compiled snapshot (benchmarks/results/NVIDIA-H200/README.md)."""
+        tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
+        grads = q * c * (3 if z.pad_head else 2)
+        tl.alloc("activations", q * c - keep(q * c))  # an offloaded one, back from the host
+        tl.alloc("other", grads)
+        tl.free("activations", q * c)
+        tl.free("other", grads - (q * c if z.pad_head else 0))  # the padded one feeds the matmuls
+        tl.alloc("other", sh.sbh * c)  # d ln_f out
+        self.grad(head) if sh.lm_head else tl.alloc("other", head)
+        tl.free("other", q * c if z.pad_head else 0)
 
     def chunked_backward(self, n: int, q: float, head: float) -> None:
         """loss=chunked: d ln_f out and the weight's gradient allocated whole, the weight cast once
