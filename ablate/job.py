@@ -26,7 +26,7 @@ from ablate.console import Progress
 from ablate.predict import Prediction
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
 from ablate.spec import RunSpec
-from launch.local import SPEC, pass_on_stop, prestarted
+from launch.local import SPEC, pass_on_stop, prestart
 from launch.nvml import visible_gpu_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -161,14 +161,14 @@ def link_artifacts(result: dict, old_dir: Path, new_dir: Path) -> None:
 
 
 def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress):
-    """ablate/outcome.py's outcome of the point, its worker started first (launch/warm.py): the
-    worker imports while this process imports torch (for the prediction), validates and predicts.
-    A point found done never imports torch here."""
-    ahead = not spec.predict_only and not spec.find_batch  # a search's first launch is a probe elsewhere
-    with prestarted(spec, run_dir / SPEC) if ahead else contextlib.nullcontext():
-        from ablate import outcome
+    """ablate/outcome.py's outcome of the point, its worker started first (launch/warm.py), unless
+    the point before left one waiting: the worker imports while this process imports torch (for
+    the prediction), validates and predicts. A point found done never imports torch here."""
+    if not spec.predict_only:
+        prestart(spec, run_dir / SPEC)
+    from ablate import outcome
 
-        return outcome.outcome_of(spec, run_dir, overrides, progress)
+    return outcome.outcome_of(spec, run_dir, overrides, progress)
 
 
 def run_point(cfg: DictConfig) -> dict:

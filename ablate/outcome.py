@@ -31,7 +31,9 @@ def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progres
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
     results.clear_artifacts(run_dir)
     argv, world, env = worker_command(spec)
-    return run_worker([*argv, str(spec_path)], run_dir, spec.timeout_s, world_size=world, on_event=progress, env=env)
+    on_gpu = spec.device != "cpu" and visible_gpu_count() > 0  # the measured steps time a GPU, not this host
+    return run_worker([*argv, str(spec_path)], run_dir, spec.timeout_s, world_size=world, on_event=progress, env=env,
+                      next_at="measure" if on_gpu else "eval")
 
 
 def validate(spec: RunSpec) -> Outcome | None:

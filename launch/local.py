@@ -219,17 +219,34 @@ def worker_env(extra: dict | None) -> dict:
     return {**os.environ, **(extra or {}), "PYTHONUNBUFFERED": "1"}
 
 
-@contextlib.contextmanager
-def prestarted(spec: RunSpec, spec_path: Path):
-    """The point's worker for spec_path (where `launch` writes it) started now (launch/warm.py)."""
+def _one_point_here() -> bool:
+    """This process runs one point (a submitit job: SLURM, or a GPU pool's), not the sweep's
+    points one after the other (Hydra's basic launcher)."""
+    return "SUBMITIT_EXECUTOR" in os.environ
+
+
+def prestart(spec: RunSpec, spec_path: Path) -> None:
+    """A worker for the point's launch of spec_path (where `launch` writes it), waiting
+    (launch/warm.py): the one a point before started, else one started now. A submitit job's runs
+    one point and is started as its launch, spec path and all, so that `ps` names the point (on a
+    cluster the likeliest place to look for it); the sweep's own process starts one that gets it at
+    the go, which any point of the same command and environment can take."""
     argv, _, extra = worker_command(spec)
-    with warm.prestarted([*argv, str(spec_path)], worker_env(extra), spec_path.parent / LOG, _die_with_parent):
-        yield
+    warm.prestart([*argv, str(spec_path)] if _one_point_here() else argv, worker_env(extra), _die_with_parent)
+
+
+def _prestart_next(cmd: list[str], env: dict) -> None:
+    """A worker for the next point's launch, if it is of the same command and environment, ready
+    when it comes (launch/warm.py); where this process has a next point."""
+    if not _one_point_here():
+        warm.prestart(cmd[:-1], env, _die_with_parent)
 
 
 def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-    """The warm worker started for this launch, else a new process; its output goes to `log`."""
-    ready = warm.take(cmd, env)
+    """The waiting worker, where it serves this launch, else a new process; its output goes to
+    `log`. (`cmd`'s last argument is the spec.json path: started without it, a waiting worker gets
+    it at the go.)"""
+    ready = warm.take(cmd, [], env, log) or warm.take(cmd[:-1], cmd[-1:], env, log)
     if ready:
         return ready
     with open(log, "w") as log_file:
@@ -238,9 +255,13 @@ def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
 
 
 def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,
-               on_event: Callable[[dict], None] = lambda e: None, env: dict | None = None) -> Outcome:
+               on_event: Callable[[dict], None] = lambda e: None, env: dict | None = None,
+               next_at: str = "eval") -> Outcome:
     """Start `cmd` (with `env` added to this process's environment), follow its events, sample
-    NVML, enforce the time limit; never raises for the worker's own failures."""
+    NVML, enforce the time limit; never raises for the worker's own failures. At the worker's
+    phase `next_at` a worker for the next launch starts importing: "eval", once the measured steps
+    are done, where they time the CPU it would take; "measure" where they time a GPU, which it
+    does not touch, so that its whole start hides behind them."""
     log = run_dir / LOG
     reader, events, timed_out, stopped = EventReader(run_dir), [], False, []
     env = worker_env(env)
@@ -253,6 +274,8 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                 events.append(event)
                 if event["event"] == "phase":
                     sampler.measuring = event["phase"] == "measure"
+                    if event["phase"] == next_at:
+                        _prestart_next(cmd, env)
                 on_event(event)
 
         deadline = time.monotonic() + timeout_s

@@ -1,20 +1,30 @@
-"""A worker started before its point is ready, so that its imports overlap the job's own work.
+"""Workers started before their point is known, so that their imports lie off the points' path.
 
 A worker's start is mostly imports: torch and MemTracker's (torch.distributed._tools), 2.3 s on
-the 2-core VM. The job meanwhile imports torch itself, validates and predicts. So the job starts its
-point's worker command (`prestarted`) as soon as it knows the point will run, with `--wait` after
-it: the worker imports, then blocks on stdin. The launch with the same command and environment
-`take`s it and says go; only what is left of its start-up lies on the point's path. The process is
-as fresh as one started then: nothing runs in it before the go, so its memory figures are the
-point's alone, and its output goes to the same worker.log.
+the 2-core VM and 4.6-7.1 s on an H200's host (2026-11-26). So a worker command is started with
+`--wait` after it and no point: it imports, then blocks on stdin, its output thrown away. A launch
+of the same command and environment `take`s it and sends it the point's arguments and log file;
+only what is left of its start-up lies on the point's path. The process is as fresh as one started
+then: nothing runs in it before the go, so its memory figures are the point's alone, and from the go
+on its output goes to the point's worker.log.
 
-A launch that does not match (a changed environment, a batch search's probe in a directory of its
-own) starts a fresh process as before; a warm worker not taken (that launch, or none: an invalid or
-pruned point) is killed before it has run anything. One warm worker at a time.
+Two moments start one (`prestart`): the job, as soon as it has a point, while it validates and
+predicts (the sweep's first point, or one whose command or environment differs from the last);
+and the launch of a point, once that point's measured steps are done (`prestart_next`), for the
+next point of the sweep, so that its imports overlap this point's eval and teardown and the next
+job's own work. Never beside measured steps: the imports would take CPU from them. A launch that
+does not match starts a fresh process as before, and the waiting worker stays for a later one.
+One waits at a time; it goes when this process exits (its stdin closes, and it exits unused).
+
+`ps` shows such a worker as its command and `--wait`, without the point: the run's events.jsonl
+has its pid ("started"). Where a process runs a single point (a submitit job) the job starts it
+with the spec path in its command instead (launch/local.py), and the go sends no arguments.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -22,53 +32,54 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_FLAG = "--wait"  # after the worker's own arguments: wait for the go on stdin first
+WAIT_FLAG = "--wait"  # after the worker's command: wait for the point on stdin first
 
 
 @dataclass
 class Warm:
     proc: subprocess.Popen
-    cmd: list[str]  # the launch it will serve, exactly
+    cmd: list[str]  # the command it was started as (a point's arguments come with the go)
     env: dict  # its whole environment, as that launch's
-    log: Path  # its output: the run's worker.log
+
+    def serves(self, cmd: list[str], env: dict) -> bool:
+        return self.cmd == cmd and self.env == env and self.proc.poll() is None
 
     def discard(self) -> None:
-        """Unused: it goes, with whatever it started (its own session) and the log it began: a
-        point that never launched (invalid, pruned) has no worker output."""
+        """Unused: it goes, with whatever it started (its own session). It has written nothing."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc.stdin.close()
-        self.log.unlink(missing_ok=True)
 
 
-_waiting: Warm | None = None  # this job process's one warm worker
+_waiting: Warm | None = None  # this process's one waiting worker
 
 
-def prestart(cmd: list[str], env: dict, log: Path, preexec_fn=None) -> None:
-    """Start the launch `cmd` (with the whole environment `env`, output to `log`) now, waiting for
-    its go."""
+def prestart(cmd: list[str], env: dict, preexec_fn=None) -> None:
+    """A worker for launches of `cmd` (with the whole environment `env`) waiting: the one already
+    waiting where it serves them, else a new one (and the other goes)."""
     global _waiting
+    if _waiting is not None and _waiting.serves(cmd, env):
+        return
     drop()
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen([*cmd, WAIT_FLAG], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env, preexec_fn=preexec_fn)
-    _waiting = Warm(proc, list(cmd), dict(env), log)
+    proc = subprocess.Popen([*cmd, WAIT_FLAG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=env, preexec_fn=preexec_fn)
+    _waiting = Warm(proc, list(cmd), dict(env))
 
 
-def take(cmd: list[str], env: dict) -> subprocess.Popen | None:
-    """The warm worker, told to go, where it was started as this launch and still waits; else
-    None, and it is gone."""
+def take(cmd: list[str], args: list[str], env: dict, log: Path) -> subprocess.Popen | None:
+    """The waiting worker, told to run `args` with its output into `log` (created anew), where it
+    was started as `cmd` with `env` and still waits; else None, and it stays for a later launch
+    (one that died goes)."""
     global _waiting
-    warm, _waiting = _waiting, None
-    if warm is None:
+    warm = _waiting
+    if warm is None or not warm.serves(cmd, env):
+        if warm is not None and warm.proc.poll() is not None:
+            drop()
         return None
-    if warm.cmd != cmd or warm.env != env or warm.proc.poll() is not None:
-        warm.discard()
-        return None
+    _waiting = None
     try:
-        warm.proc.stdin.write(b"go\n")
+        warm.proc.stdin.write(json.dumps({"args": args, "log": str(log)}).encode() + b"\n")
         warm.proc.stdin.close()
     except BrokenPipeError:  # it died between the poll and the write
         warm.discard()
@@ -77,26 +88,29 @@ def take(cmd: list[str], env: dict) -> subprocess.Popen | None:
 
 
 def drop() -> None:
-    """Kill the warm worker, if one waits."""
+    """Kill the waiting worker, if one waits."""
     global _waiting
     warm, _waiting = _waiting, None
     if warm is not None:
         warm.discard()
 
 
-@contextlib.contextmanager
-def prestarted(cmd: list[str], env: dict, log: Path, preexec_fn=None):
-    """A warm worker for the block's launch of `cmd`; gone after the block if not taken."""
-    prestart(cmd, env, log, preexec_fn)
-    try:
-        yield
-    finally:
-        drop()
+atexit.register(drop)
 
 
 def arguments(argv: list[str]) -> list[str] | None:
-    """In the worker, once imported: its arguments, after the go where it was started warm; None
-    where the job hung up instead (it dropped this worker)."""
+    """In the worker, once imported: its arguments, after the go (which also sends its output to
+    the point's log) where it was started waiting; None where its starter went away instead."""
     if argv[-1:] != [WAIT_FLAG]:
         return argv
-    return argv[:-1] if sys.stdin.readline().strip() == "go" else None
+    line = sys.stdin.readline()
+    if not line.strip():
+        return None
+    go = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(go["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)  # and torchrun's ranks, which inherit them
+    os.dup2(fd, 2)
+    os.close(fd)
+    return [*argv[:-1], *go["args"]]

@@ -1,6 +1,7 @@
 """Fault injection through the real CLI: every failure becomes a row, and the sweep goes on."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -56,8 +57,7 @@ def test_hung_worker_times_out_and_leaves_no_process(tmp_path):
     # where it hung, from the stacks it wrote on SIGUSR1 before the kill
     assert "worker.py:" in row["reason"] and "in inject_fault" in row["reason"], row["reason"]
     assert row["timing"]["wall_s"] < 30
-    spec = str(next(tmp_path.rglob("spec.json")))
-    assert not [p for p in psutil.process_iter(["cmdline"]) if spec in (p.info["cmdline"] or [])]
+    assert _started_pids(tmp_path) and not _workers_of(tmp_path)
 
 
 def test_invalid_combination_is_a_row_and_runs_no_worker(tmp_path):
@@ -116,8 +116,22 @@ def _exit_status(job: subprocess.Popen, timeout: float = 60) -> int:
 
 
 def _workers_of(tmp_path) -> list:
-    spec = str(next(tmp_path.rglob("spec.json")))
-    return [p for p in psutil.process_iter(["cmdline"]) if spec in (p.info["cmdline"] or [])]
+    """The live workers of the points under tmp_path, by the pids their events name (a worker
+    started ahead has no point in its command line: launch/warm.py)."""
+    return [p for p in map(_process, _started_pids(tmp_path)) if p is not None]
+
+
+def _started_pids(tmp_path) -> list[int]:
+    return [json.loads(line)["pid"] for events in tmp_path.rglob("events.jsonl")
+            for line in events.read_text().splitlines() if '"started"' in line]
+
+
+def _process(pid: int):
+    try:
+        proc = psutil.Process(pid)
+        return proc if proc.status() != psutil.STATUS_ZOMBIE else None
+    except psutil.NoSuchProcess:
+        return None
 
 
 def test_a_sweep_stopped_by_sigterm_writes_the_points_row_and_starts_no_other(tmp_path, hung_job):

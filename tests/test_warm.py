@@ -1,6 +1,6 @@
-"""A point's worker started ahead of its launch (launch/warm.py): the launch takes the process
-that imported while the job worked, its output stays in the run's worker.log, and a launch it does
-not fit starts a fresh process as before, the warm one killed."""
+"""Workers started ahead of their launch (launch/warm.py): the launch takes the process that
+imported while the job, or the point before, worked; from the go its output is the run's
+worker.log; a launch it does not serve starts a fresh process as before."""
 from __future__ import annotations
 
 import json
@@ -25,51 +25,97 @@ def no_warm_worker_left():
     warm.drop()
 
 
-def test_the_launch_takes_the_prestarted_process_and_its_output_stays_in_worker_log(tmp_path):
+def test_the_launch_takes_the_waiting_process_and_its_output_goes_to_worker_log(tmp_path):
     env, log = local.worker_env({}), tmp_path / "run" / local.LOG
-    cmd = [*STAND_IN, "spec.json"]
-    warm.prestart(cmd, env, log)
+    log.parent.mkdir()
+    warm.prestart(STAND_IN, env)
     waiting = warm._waiting.proc
-    assert warm.take(cmd, env) is waiting and waiting.wait(timeout=60) == 0
-    assert log.read_text() == "imported\nrunning ['spec.json']\n"  # its arguments, less --wait
+    assert warm.take(STAND_IN, ["spec.json"], env, log) is waiting and waiting.wait(timeout=60) == 0
+    # what it printed while it waited went nowhere; from the go on, into the point's log
+    assert log.read_text() == "running ['spec.json']\n"
     assert warm._waiting is None
 
 
+def test_a_waiting_worker_serves_the_next_launch_of_its_command_and_environment():
+    env = local.worker_env({})
+    warm.prestart(STAND_IN, env)
+    first = warm._waiting.proc
+    warm.prestart(STAND_IN, env)  # the job of the next point finds it waiting
+    assert warm._waiting.proc is first
+    warm.prestart([*STAND_IN, "other"], env)  # another command: a new one, the old one gone
+    assert warm._waiting.proc is not first and first.wait(timeout=60) is not None
+
+
 @pytest.mark.parametrize("change", ["command", "environment", "died"])
-def test_a_launch_it_does_not_fit_gets_a_fresh_process_and_the_warm_one_goes(tmp_path, change):
-    env, cmd = local.worker_env({}), [*STAND_IN, "spec.json"]
-    warm.prestart(cmd if change != "died" else [sys.executable, "-c", "import sys; sys.exit(3)"], env,
-                  tmp_path / local.LOG)
+def test_a_launch_it_does_not_serve_gets_a_fresh_process(tmp_path, change):
+    """The waiting worker stays for a later launch it serves; one that died goes."""
+    env = local.worker_env({})
+    warm.prestart(STAND_IN if change != "died" else [sys.executable, "-c", "import sys; sys.exit(3)"], env)
     waiting = warm._waiting.proc
     if change == "died":
         waiting.wait(timeout=60)
-    launch = [*STAND_IN, "probe/spec.json"] if change == "command" else cmd
-    assert warm.take(launch, {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-                     if change == "environment" else env) is None
-    assert waiting.poll() is not None and warm._waiting is None
+    launch = [*STAND_IN, "torchrun"] if change == "command" else STAND_IN
+    other_env = {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert warm.take(launch, ["spec.json"], other_env if change == "environment" else env, tmp_path / "log") is None
+    if change == "died":
+        assert warm._waiting is None
+    else:
+        assert warm._waiting.proc is waiting and waiting.poll() is None
+    assert not (tmp_path / "log").exists()
 
 
 def test_a_dropped_warm_worker_exits_without_running_and_leaves_no_log(tmp_path):
-    """A point that never launches (invalid, pruned) has no worker output, as before."""
-    warm.prestart([*STAND_IN, "spec.json"], local.worker_env({}), tmp_path / local.LOG)
+    """A worker no point takes (the sweep ends, an invalid or pruned point) writes nothing."""
+    warm.prestart(STAND_IN, local.worker_env({}))
     waiting = warm._waiting.proc
     warm.drop()
-    assert waiting.poll() is not None and not (tmp_path / local.LOG).exists()
+    assert waiting.poll() is not None and not list(tmp_path.iterdir())
 
 
-def test_a_real_point_runs_in_its_prestarted_worker(tmp_path):
-    """The job's own path: prestarted for the point, then launched: the worker that reports is the
-    process started ahead (its pid), and the run is ok."""
+def _started_pids(run_dir) -> list[int]:
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [e["pid"] for e in events if e["event"] == "started"]
+
+
+@pytest.mark.parametrize("submitit", [False, True])
+def test_a_real_point_runs_in_its_prestarted_worker(tmp_path, monkeypatch, submitit):
+    """The job's own path: a worker prestarted for the point, then launched: the worker that
+    reports is the process started ahead (its pid), and the run is ok. In a submitit job (one
+    point) it is started with the point's spec path in its command, for `ps` to show."""
     from ablate.outcome import launch
 
+    if submitit:
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    else:
+        monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     spec, run_dir = compose_spec(FAST), tmp_path / "run"
-    with local.prestarted(spec, run_dir / local.SPEC):
-        pid = warm._waiting.proc.pid
-        outcome = launch(spec, run_dir, [], Progress("warm", stream=open(os.devnull, "w")))
+    local.prestart(spec, run_dir / local.SPEC)
+    pid = warm._waiting.proc.pid
+    assert (str(run_dir / local.SPEC) in warm._waiting.cmd) == submitit
+    outcome = launch(spec, run_dir, [], Progress("warm", stream=open(os.devnull, "w")))
     assert outcome.status == "ok", outcome.reason
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["pid"] for e in events if e["event"] == "started"] == [pid]
+    assert _started_pids(run_dir) == [pid]
     assert 0 <= outcome.phases["startup"]  # from the launch: what was left of its imports
+
+
+def test_the_next_point_runs_in_the_worker_started_after_this_ones_measured_steps(tmp_path, monkeypatch):
+    """A sweep's points one after the other: once a point's measured steps are done, a worker for
+    the next starts importing, and the next launch runs in it. Not in a submitit job (one point)."""
+    from ablate.outcome import launch
+
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    spec, quiet = compose_spec(FAST), Progress("warm", stream=open(os.devnull, "w"))
+    assert launch(spec, tmp_path / "a", [], quiet).status == "ok"
+    assert warm._waiting is not None
+    pid = warm._waiting.proc.pid
+    assert launch(spec, tmp_path / "b", [], quiet).status == "ok"
+    assert _started_pids(tmp_path / "b") == [pid]
+    assert "Traceback" not in (tmp_path / "b" / local.LOG).read_text()
+
+    warm.drop()
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    assert launch(spec, tmp_path / "c", [], quiet).status == "ok"
+    assert warm._waiting is None
 
 
 def test_the_command_line_and_the_job_leave_torch_to_the_worker():
