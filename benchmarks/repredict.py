@@ -29,8 +29,8 @@ from ablate.spec import RunSpec  # noqa: E402
 from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
 from analysis.load import LEGACY  # noqa: E402
 
-# compile changes no prediction yet (the model plays the eager step) but tells a compiled row from
-# its eager twin, whose error it does not share.
+# compile: on CUDA the model plays the compiled loss, and the key tells a compiled row from its
+# eager twin in the table.
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device", "compile")
 
 

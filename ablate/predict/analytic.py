@@ -19,7 +19,8 @@ sizes: MemTracker cannot follow it, but on one H100 the gpt2-xl FSDP1 batch scan
 came within 1.6% of them (benchmarks/results/NVIDIA-H100-80GB-HBM3/repredict.md).
 
 The sizes are played through one step as a timeline of allocations and frees
-(ablate/predict/timeline.py), so the peak lands where the real one does.
+(ablate/predict/timeline.py; the head and the loss in ablate/predict/loss_play.py), so the peak lands
+where the real one does.
 """
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ablate.predict.loss_play import LossPlay
+
 if TYPE_CHECKING:
     from ablate.predict.analytic import Shapes
 
@@ -89,7 +91,7 @@ class Sizes:
     grads_in_buckets: bool = False  # DDP gradient_as_bucket_view: each gradient is copied into its bucket (`other`)
 
 
-class Step:
+class Step(LossPlay):
     """One optimizer step (every micro-step's forward and backward, then the optimizer step)
     played on a Timeline, optimizer states already allocated. Bytes on one rank.
 
@@ -197,108 +199,6 @@ class Step:
         tl.free("other", sbh * r)
         self.reduce(z.root, self.root_names, sync)
         self.release(z.root)
-
-    def head_input(self) -> float:
-        """ln_f's output, the head's input, kept for backward (on the host under activation offload)."""
-        return self.keep(self.sh.sbh * self.c)
-
-    def head_cast_kept(self) -> float:
-        """Autocast's cast of the head's weight, kept from forward for backward: not by the chunked
-        loss, which casts for itself in forward and again in backward."""
-        return 0.0 if self.z.loss_chunks > 1 else self.keep(self.z.lm_head_cast)
-
-    def slices(self) -> tuple[int, float]:
-        """The loss's slices of the micro-batch's tokens: how many, and the largest one's logits
-        as elements (tokens x V). The standard loss is one slice of every token."""
-        n = min(self.z.loss_chunks, self.sh.sb)
-        return n, -(-self.sh.sb // n) * self.sh.vocab
-
-    def loss_forward(self) -> None:
-        """Logits in the compute dtype and their fp32 copy, then what the loss makes of them. The
-        standard loss keeps its log-softmax (fp32) for backward (on the host under offload); a
-        chunked slice takes logsumexp (one more fp32 slice-sized temporary) and keeps nothing."""
-        tl, c = self.tl, self.c
-        n, q = self.slices()
-        made = q * c + (q * 4 if c != 4 else 0)
-        if n == 1 and self.z.compiled:  # fused: the logits alone, kept for backward (and returned)
-            tl.alloc("activations", self.keep(q * c))
-            return
-        if n == 1:
-            tl.alloc("activations", made)
-            tl.alloc("activations", self.keep(q * 4))
-            tl.free("activations", made)
-            return
-        for _ in range(n):  # the compute-dtype logits go once copied to fp32, before logsumexp's temporary
-            tl.alloc("activations", made)
-            tl.free("activations", made - q * 4)
-            tl.transient("activations", q * 4)
-            tl.free("activations", q * 4)
-
-    def loss_backward(self) -> None:
-        """Loss -> log-softmax -> logits -> head: gradients of the head's input (d ln_f out,
-        `other` until it becomes d x_L) and of its weight. A tied head's share of the embedding
-        gradient waits in autograd's buffer (a temporary) until the embedding's share is added;
-        only then does it become wte.grad. An untied head's gradient is its own at once."""
-        tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
-        n, q = self.slices()
-        head = z.grads[sh.lm_head] if sh.lm_head else z.grads[sh.embedding]
-        if n > 1:
-            return self.chunked_backward(n, q, head)
-        if z.compiled:
-            return self.compiled_loss_backward(q, head)
-        back = q * 4 - keep(q * 4)  # an offloaded log-softmax, copied back for its backward
-        tl.alloc("activations", back)
-        tl.alloc("other", 2 * q * 4)  # d log-softmax, d logits
-        tl.free("activations", keep(q * 4) + back)
-        tl.free("other", q * 4)
-        if c != 4:
-            tl.transient("other", q * c)
-        tl.alloc("other", sh.sbh * c)  # d ln_f out
-        self.grad(head) if sh.lm_head else tl.alloc("other", head)
-        tl.free("other", q * 4)
-
-    def compiled_loss_backward(self, q: float, head: float) -> None:
-        """compile=true on CUDA, the standard loss: inductor fuses log-softmax and its backward, so
-        neither the fp32 copy nor the log-softmax exists; forward kept the logits (compute dtype).
-        Backward holds them with the zero gradient autograd makes for the logits the model
-        returns (the step drops them) and their own gradient: 3 x c bytes per logit, as inductor's
-        generated code for this graph shows on a CPU. On an H200 gpt2 (vocabulary 50,257) held a
-        fourth: both compiled peaks came 4 x c bytes per logit under the eager ones (within 0.05%),
-        where this model says 6 x c. Inferred, not yet seen: it is the gradient padded for the
-        head's matmuls by inductor's pad_mm, which aligns a matmul's dims on GPUs (to 8 elements
-        in 16-bit, 4 in fp32) and 50,257 is not aligned. The vocabulary padded to 50,304 is the
-        check: the next GPU run's compiled snapshot (benchmarks/results/NVIDIA-H200/README.md)."""
-        tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
-        grads = q * c * (3 if z.pad_head else 2)
-        tl.alloc("activations", q * c - keep(q * c))  # an offloaded one, back from the host
-        tl.alloc("other", grads)
-        tl.free("activations", q * c)
-        tl.free("other", grads - (q * c if z.pad_head else 0))  # the padded one feeds the matmuls
-        tl.alloc("other", sh.sbh * c)  # d ln_f out
-        self.grad(head) if sh.lm_head else tl.alloc("other", head)
-        tl.free("other", q * c if z.pad_head else 0)
-
-    def chunked_backward(self, n: int, q: float, head: float) -> None:
-        """loss=chunked: d ln_f out and the weight's gradient allocated whole, the weight cast once
-        under autocast, then slice by slice the logits recomputed and turned into their gradient
-        in place, multiplied into both (under autocast the weight's share is made in the compute
-        dtype, then added)."""
-        tl, sh, z, c = self.tl, self.sh, self.z, self.c
-        tl.alloc("other", sh.sbh * c + head + z.lm_head_cast)
-        for _ in range(n):
-            made = q * c + (q * 4 if c != 4 else 0)
-            tl.alloc("other", made)
-            tl.free("other", made - q * 4)  # the fp32 logits stay, to become their gradient
-            tl.transient("other", q * 4)  # logsumexp's temporary
-            if c != 4:  # ... cast to the compute dtype for the matmuls
-                tl.alloc("other", q * c)
-                tl.free("other", q * 4)
-            tl.transient("other", z.lm_head_cast)  # the weight's share in the compute dtype (autocast)
-            tl.free("other", q * c if c != 4 else q * 4)
-        tl.free("other", z.lm_head_cast)
-        if sh.lm_head:
-            tl.free("other", head)
-            self.grad(head)
 
     def grad(self, nbytes: float) -> None:
         """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
