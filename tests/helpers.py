@@ -55,6 +55,13 @@ def results_under(path: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(path).rglob("result.json"))]
 
 
+def started_pids(path: Path) -> list[int]:
+    """The pids of the workers that started under `path` (their "started" events): a worker
+    started ahead of its point has no point in its command line (launch/warm.py)."""
+    return [json.loads(line)["pid"] for events in sorted(Path(path).rglob("events.jsonl"))
+            for line in events.read_text().splitlines() if '"started"' in line]
+
+
 def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, seq_len: int = 16, seed: int = 0,
                device: str = "cpu"):
     """Build the composed config's techniques and a nano GPT (FAST, then `overrides`), train `steps`

@@ -1,7 +1,6 @@
 """Fault injection through the real CLI: every failure becomes a row, and the sweep goes on."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from helpers import FAST, ROOT, results_under, run_cli
+from helpers import FAST, ROOT, results_under, run_cli, started_pids
 
 
 def _by_optimizer(path):
@@ -57,7 +56,7 @@ def test_hung_worker_times_out_and_leaves_no_process(tmp_path):
     # where it hung, from the stacks it wrote on SIGUSR1 before the kill
     assert "worker.py:" in row["reason"] and "in inject_fault" in row["reason"], row["reason"]
     assert row["timing"]["wall_s"] < 30
-    assert _started_pids(tmp_path) and not _workers_of(tmp_path)
+    assert started_pids(tmp_path) and not _workers_of(tmp_path)
 
 
 def test_invalid_combination_is_a_row_and_runs_no_worker(tmp_path):
@@ -118,12 +117,7 @@ def _exit_status(job: subprocess.Popen, timeout: float = 60) -> int:
 def _workers_of(tmp_path) -> list:
     """The live workers of the points under tmp_path, by the pids their events name (a worker
     started ahead has no point in its command line: launch/warm.py)."""
-    return [p for p in map(_process, _started_pids(tmp_path)) if p is not None]
-
-
-def _started_pids(tmp_path) -> list[int]:
-    return [json.loads(line)["pid"] for events in tmp_path.rglob("events.jsonl")
-            for line in events.read_text().splitlines() if '"started"' in line]
+    return [p for p in map(_process, started_pids(tmp_path)) if p is not None]
 
 
 def _process(pid: int):

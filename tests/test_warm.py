@@ -3,7 +3,6 @@ imported while the job, or the point before, worked; from the go its output is t
 worker.log; a launch it does not serve starts a fresh process as before."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 
 from ablate.console import Progress
 from launch import local, warm
-from tests.helpers import FAST, ROOT, compose_spec
+from tests.helpers import FAST, ROOT, compose_spec, started_pids
 
 # A stand-in worker: prints while it "imports", then, once told to go, the arguments it runs with.
 STAND_IN = [sys.executable, "-c", "import sys; print('imported', flush=True); from launch import warm; "
@@ -72,11 +71,6 @@ def test_a_dropped_warm_worker_exits_without_running_and_leaves_no_log(tmp_path)
     assert waiting.poll() is not None and not list(tmp_path.iterdir())
 
 
-def _started_pids(run_dir) -> list[int]:
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return [e["pid"] for e in events if e["event"] == "started"]
-
-
 @pytest.mark.parametrize("submitit", [False, True])
 def test_a_real_point_runs_in_its_prestarted_worker(tmp_path, monkeypatch, submitit):
     """The job's own path: a worker prestarted for the point, then launched: the worker that
@@ -94,7 +88,7 @@ def test_a_real_point_runs_in_its_prestarted_worker(tmp_path, monkeypatch, submi
     assert (str(run_dir / local.SPEC) in warm._waiting.cmd) == submitit
     outcome = launch(spec, run_dir, [], Progress("warm", stream=open(os.devnull, "w")))
     assert outcome.status == "ok", outcome.reason
-    assert _started_pids(run_dir) == [pid]
+    assert started_pids(run_dir) == [pid]
     assert 0 <= outcome.phases["startup"]  # from the launch: what was left of its imports
 
 
@@ -109,7 +103,7 @@ def test_the_next_point_runs_in_the_worker_started_after_this_ones_measured_step
     assert warm._waiting is not None
     pid = warm._waiting.proc.pid
     assert launch(spec, tmp_path / "b", [], quiet).status == "ok"
-    assert _started_pids(tmp_path / "b") == [pid]
+    assert started_pids(tmp_path / "b") == [pid]
     assert "Traceback" not in (tmp_path / "b" / local.LOG).read_text()
 
     warm.drop()
