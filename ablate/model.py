@@ -25,6 +25,15 @@ class GPTConfig:
     block_size: int = 1024  # longest sequence the position embedding covers
     dropout: float = 0.0
     bias: bool = True
+    # The embedding's and the head's rows rounded up to a multiple of this (1: none), so that the
+    # head's matmuls and each logits row are aligned (50,257 is odd; 64 gives llm.c's 50,304). The
+    # padded rows are zero and never a token: logits and the loss still cover vocab_size exactly.
+    pad_vocab_to: int = 1
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the token embedding and the LM head: vocab_size rounded up to pad_vocab_to."""
+        return -(-self.vocab_size // self.pad_vocab_to) * self.pad_vocab_to
 
 
 # (n_layer, n_head, n_embd): minGPT's small models and GPT-2's four sizes.
@@ -93,14 +102,14 @@ class GPT(nn.Module):
         self.config = cfg
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
                 wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
                 drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
                 ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
             )
         )
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         # loss_fn(hidden (B, T, C), lm_head, targets (B, T)) -> mean loss, when set: the head and the
         # loss computed together (a chunked loss never makes the whole logits). None: below.
         self.loss_fn = None
@@ -129,6 +138,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+        nn.init.zeros_(self.transformer.wte.weight[self.config.vocab_size:])  # padding: no token's row
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once (the tied lm_head is wte). non_embedding drops wpe (PaLM FLOPs)."""
@@ -146,13 +156,16 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
+        vocab = self.config.vocab_size
         if targets is not None and self.loss_fn is not None:
-            return None, self.loss_fn(x, self.lm_head, targets)
-        logits = self.lm_head(x)  # (B, T, vocab)
+            return None, self.loss_fn(x, self.lm_head, targets, vocab=vocab)
+        logits = self.lm_head(x)  # (B, T, padded_vocab)
+        if logits.size(-1) != vocab:  # (B, T, vocab): a view, its rows still padded_vocab apart in memory
+            logits = logits[..., :vocab]
         if targets is None:
             return logits, None
         # The loss is taken in fp32 whatever the compute dtype: (B*T, vocab) logits upcast.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
 

@@ -117,6 +117,7 @@ def test_invalid_combination_names_the_keys():
     ("parallel=fsdp1 parallel.sharding=hybrid", "parallel.sharding='hybrid' is not one of full, grad_op, no_shard"),
     ("parallel=fsdp1 parallel.backward_prefetch=later", "parallel.backward_prefetch='later' is not one of pre, post"),
     ("parallel.nproc=2", "parallel=single runs one process: parallel.nproc=2"),
+    ("model.pad_vocab_to=0", "model.pad_vocab_to=0 must be >= 1"),
 ])
 def test_a_parallel_setting_that_cannot_run_is_invalid_before_any_rank_starts(overrides, message, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

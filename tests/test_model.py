@@ -62,7 +62,46 @@ def test_forward_shapes_and_initial_loss():
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
-def test_logits_match_huggingface_gpt2(tmp_path):
+def test_a_padded_vocabulary_trains_as_the_unpadded_one():
+    """model.pad_vocab_to: the embedding and the head get zero rows up to a multiple, which no
+    token has and no logit shows. Same weights, same logits, loss and gradients (the standard and
+    the chunked loss); the padding's gradient is zero, so it stays zero under any optimizer."""
+    from ablate.techniques.loss import Chunked
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
+    padded = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16, pad_vocab_to=64))
+    assert padded.transformer.wte.weight.shape == (128, 32) and padded.lm_head.weight is padded.transformer.wte.weight
+    assert padded.transformer.wte.weight[100:].abs().sum() == 0  # initialised zero, no token's row
+    with torch.no_grad():
+        for name, p in padded.named_parameters():
+            p[:100].copy_(plain.get_parameter(name)) if name == "transformer.wte.weight" else p.copy_(plain.get_parameter(name))
+    x, y = torch.randint(0, 100, (2, 3, 16))
+    for loss_fn in (None, Chunked(5)):
+        plain.loss_fn = padded.loss_fn = loss_fn
+        ours, theirs = padded(x, y), plain(x, y)
+        if loss_fn is None:
+            assert ours[0].shape == (3, 16, 100)
+            torch.testing.assert_close(ours[0], theirs[0])
+        torch.testing.assert_close(ours[1], theirs[1])
+        padded.zero_grad(), plain.zero_grad()
+        ours[1].backward(), theirs[1].backward()
+        grad = padded.transformer.wte.weight.grad
+        assert grad[100:].abs().sum() == 0
+        torch.testing.assert_close(grad[:100], plain.transformer.wte.weight.grad)
+
+
+def test_a_padded_vocabularys_rows_count_as_parameters_not_as_model_flops():
+    from hydra.utils import instantiate
+
+    plain, padded = (instantiate(compose_config(["model=gpt2", *o])["model"]) for o in ([], ["model.pad_vocab_to=64"]))
+    assert padded.config.padded_vocab == 50304
+    assert padded.num_params() - plain.num_params() == 47 * 768  # memory: the rows exist
+    assert padded.flops_params() == plain.flops_params()  # MFU: no token's work
+
+
+@pytest.mark.parametrize("pad", [1, 64])
+def test_logits_match_huggingface_gpt2(tmp_path, pad):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from ablate.models.gpt import load_weights, read_config
@@ -72,8 +111,8 @@ def test_logits_match_huggingface_gpt2(tmp_path):
                                     bos_token_id=0, eos_token_id=0)).eval()
     hf.save_pretrained(tmp_path, safe_serialization=True)
     assert (tmp_path / "model.safetensors").exists()
-    ours = GPT(GPTConfig(**read_config(tmp_path))).eval()
-    load_weights(ours, tmp_path)
+    ours = GPT(GPTConfig(**read_config(tmp_path), pad_vocab_to=pad)).eval()
+    load_weights(ours, tmp_path)  # a padded model takes the checkpoint's rows, its padding left zero
     x = torch.randint(0, 211, (2, 48))
     with torch.no_grad():
         torch.testing.assert_close(ours(x)[0], hf(x).logits, rtol=1e-5, atol=1e-5)

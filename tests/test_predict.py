@@ -157,3 +157,18 @@ def test_a_compiled_cuda_step_drops_the_eager_losss_fp32_tensors(vocab, per_logi
         eager, compiled = (analytic(compose_spec([*base, f"device={device}", f"compile={c}"])).peak_mib
                            for c in ("false", "true"))
         assert (eager - compiled) * 2**20 == pytest.approx(drop, abs=2**20)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure"])
+@pytest.mark.parametrize("loss", ["standard", "chunked"])
+def test_analytic_knows_a_padded_heads_logits(precision, loss):
+    """model.pad_vocab_to=128 widens gpt-nano's head from 300 to 384 rows: the analytic model moves
+    with the measured peak and activations, byte for byte as far as these steps show (its error
+    is the unpadded point's)."""
+    base = ["model=gpt-nano", "model.vocab_size=300", "data.vocab_size=128", "device=cpu", "batch_size=8",
+            "seq_len=256", f"precision={precision}", f"loss={loss}"]
+    errors = []
+    for pad in (1, 128):
+        real, pred = measured([f"model.pad_vocab_to={pad}"], base), analytic(compose_spec([*base, f"model.pad_vocab_to={pad}"]))
+        errors.append((pred.peak_mib - real.peak_mib, pred.category_max_mib["activations"] - real.category_max["activations"]))
+    assert errors[1] == pytest.approx(errors[0], abs=1 / 1024)  # MiB: within a KiB

@@ -28,14 +28,15 @@ class GPT2(Family):
     position embedding of block_size, the LM head tied to the token embedding."""
 
     def __init__(self, name: str, n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257,
-                 block_size: int = 1024, dropout: float = 0.0, bias: bool = True, init_from: str | None = None):
+                 block_size: int = 1024, dropout: float = 0.0, bias: bool = True, init_from: str | None = None,
+                 pad_vocab_to: int = 1):
         self.name, self.init_from = name, init_from
         self.config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
-                                block_size=block_size, dropout=dropout, bias=bias)
+                                block_size=block_size, dropout=dropout, bias=bias, pad_vocab_to=pad_vocab_to)
 
     def check(self, plan: Plan) -> None:
         c = self.config
-        for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
+        for key in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "pad_vocab_to"):
             if getattr(c, key) < 1:
                 raise Invalid(f"model.{key}={getattr(c, key)} must be >= 1")
         if c.n_layer > MAX_LAYERS:
@@ -68,6 +69,11 @@ class GPT2(Family):
         """Every block is the same Block of the same config: n of them stand for any number."""
         return GPT(dataclasses.replace(self.config, n_layer=n))
 
+    def flops_params(self) -> int:
+        """The padded rows of the head (pad_vocab_to) are no token's: work, but not the model's."""
+        c = self.config
+        return super().flops_params() - (c.padded_vocab - c.vocab_size) * c.n_embd
+
     def load_weights(self, model: nn.Module) -> None:
         if self.init_from:
             load_weights(model, self.init_from)
@@ -75,6 +81,10 @@ class GPT2(Family):
 
 # HF's GPT-2 uses Conv1D layers, whose weights are stored (in, out): transpose into nn.Linear's (out, in).
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+# The tensors with a row per token: a model with pad_vocab_to has more rows than the checkpoint.
+_PADDED = ("transformer.wte.weight", "lm_head.weight")
 
 
 def read_config(path: str | Path) -> dict:
@@ -118,6 +128,9 @@ def load_weights(model: GPT, path: str | Path) -> None:
                 raise KeyError(f"model.init_from={path}: unexpected tensor {key}")
             if key.endswith(_CONV1D):
                 value = value.t()
-            if ours[key].shape != value.shape:
-                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(ours[key].shape)}")
-            ours[key].copy_(value)
+            mine = ours[key]
+            if key in _PADDED and mine.shape[0] > value.shape[0]:  # pad_vocab_to: the tokens' rows
+                mine = mine[:value.shape[0]]
+            if mine.shape != value.shape:
+                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(mine.shape)}")
+            mine.copy_(value)

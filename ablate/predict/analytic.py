@@ -83,6 +83,11 @@ class Shapes:
         return self.arch.vocab
 
     @property
+    def padded_vocab(self) -> int:
+        """The head's rows: the width of the logits it makes, before the loss slices off padding."""
+        return self.arch.padded_vocab
+
+    @property
     def sbh(self) -> int:
         return self.s * self.b * self.h
 
@@ -260,7 +265,8 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     # gathers parameters already in that dtype, so nothing is cast there.
     if t.precision.autocast_dtype and not _fsdp(t):
         z.block_cast = (sum(sh.param_numels[n] for n in sh.linear_names) - _fp8_weights(t)) * z.c
-        z.lm_head_cast = sh.vocab * sh.h * z.c
+        # the whole head, padding included; the chunked loss casts only the tokens' rows itself
+        z.lm_head_cast = (sh.vocab if t.loss.from_hidden else sh.padded_vocab) * sh.h * z.c
     z.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
     z.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
     z.micro_steps, z.in_backward = t.accumulation.steps, t.optimizer.in_backward
@@ -289,8 +295,9 @@ def analytic(spec: RunSpec) -> Prediction:
     # The compiled loss on CUDA only: on a CPU the peak a row reports is the traced step's, which
     # runs eagerly (MemTracker cannot follow compiled code), so the eager step is what it measures.
     z.compiled = spec.compile and device == "cuda"
-    # inductor's pad_mm aligns a matmul's dims to 8 elements in 16-bit and 4 in fp32 (GPUs only)
-    z.pad_head = z.compiled and sh.vocab % (8 if z.c == 2 else 4) != 0
+    # inductor's pad_mm aligns a matmul's dims to 8 elements in 16-bit and 4 in fp32 (GPUs only);
+    # a padded head's loss slices its logits, and that slice's gradient is padded back likewise
+    z.pad_head = z.compiled and (sh.vocab % (8 if z.c == 2 else 4) != 0 or sh.padded_vocab != sh.vocab)
     tl = Step(sh, z).play(spec.batch_size * spec.seq_len)
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
                       category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",

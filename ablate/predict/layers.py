@@ -40,6 +40,11 @@ class Arch:
     inter: int  # MLP hidden width (4h in GPT-2; SwiGLU's gate and up width in Llama)
     vocab: int
     tied: bool  # the LM head is the token embedding
+    head_rows: int = 0  # the LM head's rows (GPT-2's pad_vocab_to pads them); 0: vocab
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.head_rows or self.vocab
 
 
 def arch_of(family) -> Arch:
@@ -49,7 +54,7 @@ def arch_of(family) -> Arch:
     if isinstance(family, GPT2):
         c = family.config
         return Arch("gpt2", c.n_layer, c.n_embd, c.n_head, c.n_head, c.n_embd // c.n_head, 4 * c.n_embd,
-                    c.vocab_size, tied=True)
+                    c.vocab_size, tied=True, head_rows=c.padded_vocab)
     hf = getattr(family, "hf_config", None)
     kind = getattr(hf, "model_type", None)
     if kind in LLAMA_LIKE or kind == "gpt_neox":

@@ -27,17 +27,24 @@ class LossPlay:
         n = min(self.z.loss_chunks, self.sh.sb)
         return n, -(-self.sh.sb // n) * self.sh.vocab
 
+    def padding(self) -> float:
+        """Logits (elements) a padded head (GPT-2's pad_vocab_to) makes beyond the standard loss's
+        tokens x V, in rows the loss slices off. The chunked loss multiplies by the tokens' rows only."""
+        return self.sh.sb * (self.sh.padded_vocab - self.sh.vocab)
+
     def loss_forward(self) -> None:
-        """Logits in the compute dtype and their fp32 copy, then what the loss makes of them. The
-        standard loss keeps its log-softmax (fp32) for backward (on the host under offload); a
-        chunked slice takes logsumexp (one more fp32 slice-sized temporary) and keeps nothing."""
+        """Logits in the compute dtype (as wide as the head: padding included) and their fp32
+        copy, then what the loss makes of them. The standard loss keeps its log-softmax (fp32) for
+        backward (on the host under offload); a chunked slice takes logsumexp (one more fp32
+        slice-sized temporary) and keeps nothing."""
         tl, c = self.tl, self.c
         n, q = self.slices()
         made = q * c + (q * 4 if c != 4 else 0)
         if n == 1 and self.z.compiled:  # fused: the logits alone, kept for backward (and returned)
-            tl.alloc("activations", self.keep(q * c))
+            tl.alloc("activations", self.keep((q + self.padding()) * c))
             return
         if n == 1:
+            made += self.padding() * c
             tl.alloc("activations", made)
             tl.alloc("activations", self.keep(q * 4))
             tl.free("activations", made)
@@ -67,9 +74,12 @@ class LossPlay:
         tl.free("other", q * 4)
         if c != 4:
             tl.transient("other", q * c)
+        # a padded head's: the sliced logits' gradient, padded back to its rows for the matmuls
+        padded = (q + self.padding()) * c if self.padding() else 0
+        tl.alloc("other", padded)
         tl.alloc("other", sh.sbh * c)  # d ln_f out
         self.grad(head) if sh.lm_head else tl.alloc("other", head)
-        tl.free("other", q * 4)
+        tl.free("other", q * 4 + padded)
 
     def compiled_loss_backward(self, q: float, head: float) -> None:
         """compile=true on CUDA, the standard loss: inductor fuses log-softmax and its backward, so
@@ -81,16 +91,20 @@ class LossPlay:
         where this model says 6 x c. Inferred, not yet seen: it is the gradient padded for the
         head's matmuls by inductor's pad_mm, which aligns a matmul's dims on GPUs (to 8 elements
         in 16-bit, 4 in fp32) and 50,257 is not aligned. The vocabulary padded to 50,304 is the
-        check: the next GPU run's compiled snapshot (benchmarks/results/NVIDIA-H200/README.md)."""
+        check: the next GPU run's compiled snapshot (benchmarks/results/NVIDIA-H200/README.md).
+        A padded head (model.pad_vocab_to) is taken to hold the same fourth, as wide as its rows:
+        its loss slices the logits, and the slice's gradient is made whole for the matmuls."""
         tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
-        grads = q * c * (3 if z.pad_head else 2)
-        tl.alloc("activations", q * c - keep(q * c))  # an offloaded one, back from the host
+        kept = (q + self.padding()) * c  # the head's logits, as forward kept them
+        padded = kept if z.pad_head else 0  # d logits padded for the matmuls (pad_mm's, or the sliced loss's)
+        grads = 2 * q * c + padded
+        tl.alloc("activations", kept - keep(kept))  # an offloaded one, back from the host
         tl.alloc("other", grads)
-        tl.free("activations", q * c)
-        tl.free("other", grads - (q * c if z.pad_head else 0))  # the padded one feeds the matmuls
+        tl.free("activations", kept)
+        tl.free("other", grads - padded)  # the padded one feeds the matmuls
         tl.alloc("other", sh.sbh * c)  # d ln_f out
         self.grad(head) if sh.lm_head else tl.alloc("other", head)
-        tl.free("other", q * c if z.pad_head else 0)
+        tl.free("other", padded)
 
     def chunked_backward(self, n: int, q: float, head: float) -> None:
         """loss=chunked: d ln_f out and the weight's gradient allocated whole, the weight cast once

@@ -59,42 +59,48 @@ class Chunked(Standard):
         head = model.get_submodule(adapter.lm_head).weight.numel()
         self.recompute_fraction = head / linear_weights([model], adapter.linears)
 
-    def __call__(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
+                 vocab: int | None = None) -> torch.Tensor:
         """Mean cross-entropy of head(hidden) against targets, summed in fp32 as the standard loss
-        is. hidden: (B, T, C) after the final norm; targets: (B, T). The head's weight and bias go
-        in, not the module: what hooks modules once per forward (MemTracker, FSDP) sees no call."""
+        is. hidden: (B, T, C) after the final norm; targets: (B, T); vocab: the head's first rows
+        that are tokens (a padded head's others are left out of the softmax), None for all. The
+        head's weight and bias go in, not the module: what hooks modules once per forward
+        (MemTracker, FSDP) sees no call."""
         h, y = hidden.flatten(0, 1), targets.flatten()  # (N, C), (N,)
-        return _ChunkedCrossEntropy.apply(h, head.weight, head.bias, y, self.chunks) / y.numel()
+        vocab = vocab or head.weight.size(0)
+        return _ChunkedCrossEntropy.apply(h, head.weight, head.bias, y, self.chunks, vocab) / y.numel()
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of h (N, C) @ weight (V, C).T + bias against y (N,), slice by slice.
+    """Summed cross-entropy of h (N, C) @ weight[:vocab].T + bias[:vocab] against y (N,), slice by
+    slice (weight (V, C) with V >= vocab: a padded head's last rows stay out of the softmax).
     Forward keeps only its inputs; backward recomputes each slice's logits and turns them into
     their gradient in place (softmax - one-hot), so one slice's (n, V) logits are alive at a time.
     Under autocast the matmuls run in its dtype, as the head's would: the Function casts itself
     (autocast does not reach inside it) and takes logsumexp in fp32."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, y, chunks):
+    def forward(ctx, h, weight, bias, y, chunks, vocab):
         dtype = _compute_dtype(h.device.type, weight.dtype)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False):
-            w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+            w, b = _rows(weight, bias, vocab, dtype)
             for hs, ys in zip(h.chunk(chunks), y.chunk(chunks)):
                 logits = F.linear(hs.to(dtype), w, b).float()  # (n, V)
                 total += (logits.logsumexp(-1) - logits.gather(1, ys[:, None]).squeeze(1)).sum()
         ctx.save_for_backward(h, weight, bias, y)
-        ctx.dtype, ctx.chunks = dtype, chunks
+        ctx.dtype, ctx.chunks, ctx.vocab = dtype, chunks, vocab
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         h, weight, bias, y = ctx.saved_tensors
         grad_h = torch.empty_like(h)  # (N, C)
-        grad_w = torch.zeros_like(weight)  # (V, C), summed in place over the slices
-        grad_b = None if bias is None else torch.zeros_like(bias)
+        grad_weight = torch.zeros_like(weight)  # (V, C), summed in place over the slices
+        grad_bias = None if bias is None else torch.zeros_like(bias)
+        grad_w, grad_b = _rows(grad_weight, grad_bias, ctx.vocab)  # its token rows: padding's stay 0
         with torch.autocast(h.device.type, enabled=False):
-            w, b = weight.to(ctx.dtype), None if bias is None else bias.to(ctx.dtype)
+            w, b = _rows(weight, bias, ctx.vocab, ctx.dtype)
             start = 0
             for hs, ys in zip(h.chunk(ctx.chunks), y.chunk(ctx.chunks)):
                 hs = hs.to(ctx.dtype)
@@ -112,7 +118,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b += g.sum(0)
                 start += len(ys)
-        return grad_h, grad_w, grad_b, None, None
+        return grad_h, grad_weight, grad_bias, None, None, None
+
+
+def _rows(weight: torch.Tensor, bias: torch.Tensor | None, vocab: int, dtype: torch.dtype | None = None):
+    """The head's first `vocab` rows (views, no copy) of its weight (V, C) and bias (V,), cast to
+    `dtype` when given (a copy of those rows only)."""
+    w, b = weight[:vocab], None if bias is None else bias[:vocab]
+    return (w, b) if dtype is None else (w.to(dtype), None if b is None else b.to(dtype))
 
 
 def _compute_dtype(device_type: str, param_dtype: torch.dtype) -> torch.dtype:
