@@ -19,8 +19,11 @@ STATUSES = ("ok", "oom", "invalid", "error", "timeout", "predicted")  # predicte
 # Outcomes that a rerun would repeat: skip_existing skips them. error and timeout may be transient
 # (a node failure, a busy machine), so they run again; so do predictions (status "predicted", and an
 # oom whose reason starts with PRUNED), which a later run without predict_only/prune must measure,
-# and points a ladder skipped after a smaller one ran out of memory (NOT_RUN).
-TERMINAL = ("ok", "oom", "invalid")
+# and points a ladder skipped after a smaller one ran out of memory (NOT_RUN). So does `invalid`:
+# its reason may be the host's or a file's (a package not installed, no GPU, a missing config.json,
+# a bad value of a key outside the run_id such as timeout_s), which the user can mend, and checking
+# again costs no training.
+TERMINAL = ("ok", "oom")
 PRUNED = "predicted:"
 NOT_RUN = "not run:"
 
@@ -41,9 +44,39 @@ ENV_KEYS = ("torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "d
 
 
 def run_id(config: dict) -> str:
-    """12 hex digits of the hash of the resolved config: the same point always gets the same id."""
-    blob = json.dumps(config, sort_keys=True, default=str).encode()
+    """12 hex digits of the hash of the resolved config, and of the files its input paths name
+    (`inputs`): the same point on the same inputs always gets the same id, and an edited config.json
+    or dataset another one, so that a rerun measures it instead of skipping it as done."""
+    inputs = {key: fingerprint(path) for key, path in input_paths(config).items()}
+    blob = json.dumps({**config, "_inputs": inputs} if inputs else config, sort_keys=True, default=str).encode()
     return hashlib.sha1(blob).hexdigest()[:12]
+
+
+# The config keys that name files a point reads (ablate/models/, ablate/data.py): group -> keys.
+INPUT_KEYS = {"model": ("config_path", "init_from"), "data": ("path",)}
+SMALL_FILE = 2**20  # bytes: hashed whole (a config.json); a larger file by its size and mtime
+
+
+def input_paths(config: dict) -> dict[str, str]:
+    """"group.key" -> path, for each input path the config sets."""
+    return {f"{group}.{key}": str(config[group][key]) for group, keys in INPUT_KEYS.items()
+            for key in keys if isinstance(config.get(group), dict) and config[group].get(key)}
+
+
+def fingerprint(path: str) -> str:
+    """What identifies a file's contents cheaply: a small file's sha1, a large one's size and
+    modification time (a tokens file of GBs is not read per point); a directory's files, one level
+    down, each so; "missing" for nothing there."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return json.dumps({f.name: fingerprint(str(f)) for f in sorted(p.iterdir()) if f.is_file()})
+    try:
+        st = p.stat()
+        if st.st_size <= SMALL_FILE:
+            return hashlib.sha1(p.read_bytes()).hexdigest()
+        return f"{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return "missing"
 
 
 def make(run_id: str, status: str, reason: str | None, choices: dict, config: dict, overrides: list,

@@ -38,7 +38,7 @@ def test_a_single_run_that_fails_exits_non_zero_and_a_sweep_does_not(tmp_path):
     exits 0 (its rows say how each ended)."""
     invalid = run_cli(["accumulation.steps=3"], tmp_path / "a")  # batch_size=4 is not divisible by 3
     assert invalid.returncode == 1 and "[invalid]" in invalid.stdout
-    assert run_cli(["accumulation.steps=3"], tmp_path / "a").returncode == 1  # skipped, still invalid
+    assert run_cli(["accumulation.steps=3"], tmp_path / "a").returncode == 1  # checked again, still invalid
     error = run_cli(["seed=5"], tmp_path / "b", env={"ABLATE_FAULT": "error"})
     assert error.returncode == 1 and "[  error]" in error.stdout
     sweep = run_cli(["-m", "accumulation.steps=1,3", f"hydra.sweep.dir={tmp_path}/s"], tmp_path / "c")

@@ -67,6 +67,24 @@ def test_a_result_missing_fields_is_named_rerun_and_left_out_of_the_report(tmp_p
     assert results.problem(_result_file(sweep)[1]) is None
 
 
+def test_what_made_a_row_invalid_or_an_input_file_can_be_mended_and_the_rerun_runs(tmp_path):
+    """An `invalid` row is checked again (a bad timeout_s, outside the run_id, then a good one),
+    and an edited input file is a new point, not the old file's row skipped as done."""
+    bad = run_cli(["timeout_s=0"], tmp_path)
+    assert "[invalid]" in bad.stdout and "timeout_s=0.0 must be > 0" in bad.stdout
+    good = run_cli(["timeout_s=300"], tmp_path)
+    assert good.returncode == 0 and "[     ok]" in good.stdout, good.stdout  # was: [   skip] ... invalid
+    text = tmp_path / "input.txt"
+    text.write_text("abcdefgh " * 200)
+    chars = ["data=chars", f"data.path={text}", "data.eval_samples=8", "model=gpt-nano", "batch_size=4",
+             "seq_len=16", "steps=3", "warmup_steps=2", "device=cpu"]
+    first, same = (run_cli(chars, tmp_path, fast=False).stdout for _ in range(2))
+    assert "[     ok]" in first and "[   skip]" in same
+    text.write_text("the quick brown fox jumps over the lazy dog " * 40)
+    edited = run_cli(chars, tmp_path, fast=False).stdout
+    assert "[     ok]" in edited and "[   skip]" not in edited, edited  # was: the old file's row, skipped
+
+
 # 2. Two sweeps into one directory.
 
 def test_two_sweeps_into_one_directory_run_each_point_once(tmp_path):
