@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ablate import results
 from ablate.capacity import largest_fitting, micro_batches
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
@@ -47,9 +48,9 @@ def planned(spec: RunSpec, capacity: float | None, predict: Callable[[RunSpec], 
 
     micros = micros or micro_batches(spec.batch_size)
     best = largest_fitting(micros, fits)
-    if best is None:
-        return Outcome("predicted", f"no micro-batch of batch_size={spec.batch_size} is predicted to fit "
-                                    f"{capacity:,.0f} MiB usable"), seen[micros[0]]
+    if best is None:  # an oom that never ran, as a plan's point that does not fit is (outcome.plan_outcome)
+        return Outcome("oom", f"{results.PRUNED} no micro-batch of batch_size={spec.batch_size} is predicted "
+                              f"to fit {capacity:,.0f} MiB usable; not run (predict_only)"), seen[micros[0]]
     return Outcome("predicted", None, {"max_batch_size": best}), seen[best]
 
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from ablate import find_batch, outcome
+from ablate import find_batch, outcome, results
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
 from launch.local import Outcome
@@ -137,7 +137,10 @@ def test_planned_without_a_capacity_or_a_fit_says_why():
     out, best = find_batch.planned(config(8), None, predict)
     assert out.status == "predicted" and "set gpu_memory_gib" in out.reason and best.peak_mib == 5000.0
     out, best = find_batch.planned(config(8), CAPACITY, predict)
-    assert out.reason == "no micro-batch of batch_size=8 is predicted to fit 1,000 MiB usable"
+    # an oom that never ran, as a plan's point that does not fit (was: `predicted`, and exit 0)
+    assert out.status == "oom" and results.predicted_oom({"status": out.status, "reason": out.reason})
+    assert out.reason == ("predicted: no micro-batch of batch_size=8 is predicted to fit 1,000 MiB usable; "
+                          "not run (predict_only)")
     assert best.peak_mib == 5000.0  # the smallest micro-batch's prediction
 
 
