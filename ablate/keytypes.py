@@ -46,13 +46,16 @@ def check_types(group: str, node: dict) -> None:
 
 def fits(value, hint) -> bool:
     """Whether a config value has type `hint`: an int is also a float; a bool is neither (YAML's
-    true is not a count); a list stands for a tuple or sequence, and its items are checked too."""
+    true is not a count); a list stands for a tuple or sequence, and its items are checked too (a
+    fixed-length tuple's count as well: betas=[0.9] is no (float, float))."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return True
     if origin in (typing.Union, types.UnionType):
         return any(fits(value, a) for a in args)
-    if origin is not None:  # tuple[float, float], Sequence[str], list[str]
+    if origin is tuple and args and Ellipsis not in args:  # tuple[float, float]: that many, each its own type
+        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(fits, value, args))
+    if origin is not None:  # tuple[float, ...], Sequence[str], list[str]
         items = [a for a in args if a is not Ellipsis]
         return isinstance(value, (list, tuple)) and (not items or all(fits(v, items[0]) for v in value))
     if hint is type(None):

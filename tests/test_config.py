@@ -131,6 +131,8 @@ def test_a_parallel_setting_that_cannot_run_is_invalid_before_any_rank_starts(ov
     ("optimizer.lr=abc", "optimizer.lr='abc' must be float"),
     ("optimizer.betas=0.9", "optimizer.betas=0.9 must be tuple[float, float]"),
     ("optimizer.betas=[0.9,x]", "optimizer.betas=[0.9, 'x'] must be tuple[float, float]"),
+    ("optimizer.betas=[0.9]", "optimizer.betas=[0.9] must be tuple[float, float]"),  # was: IndexError
+    ("optimizer.betas=[0.9,0.99,0.5]", "optimizer.betas=[0.9, 0.99, 0.5] must be tuple[float, float]"),  # was: an error row
     ("data.train_samples=abc", "data.train_samples='abc' must be int"),  # was an error row from the worker
     ("parallel.nproc=[2]", "parallel.nproc=[2] must be int | str"),
 ])
