@@ -69,12 +69,17 @@ def origin(path: Path, overrides: list) -> tuple[str, str]:
 
 @functools.cache
 def _sweep_task(sweep: Path) -> list[str] | None:
-    """multirun.yaml's hydra.overrides.task, read once per sweep (None: unreadable)."""
+    """The sweep's command line from its multirun.yaml, read once per sweep (None: unreadable): the
+    task overrides, then Hydra's own (`hydra/sweeper=ladder 'hydra.sweeper.rungs=[...]'`, without
+    which the command runs another sweep) less the `hydra.mode=MULTIRUN` that -m itself sets."""
     try:
-        task = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["overrides"]["task"]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        overrides = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["overrides"]
+        task, own = overrides["task"], overrides.get("hydra") or []
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
         return None
-    return [str(t) for t in task] if isinstance(task, list) else None
+    if not isinstance(task, list) or not isinstance(own, list):
+        return None
+    return [str(t) for t in task] + [str(h) for h in own if not str(h).startswith("hydra.mode=")]
 
 
 def text(value) -> str:

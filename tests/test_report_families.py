@@ -15,10 +15,12 @@ CHOICES = {"model": "gpt-nano", "data": "synthetic", "optimizer": "adamw", "prec
 CPU = {"torch": "2.13.0+cpu", "gpu_name": None, "git_sha": "0123456789abcdef", "world_size": 1}
 
 
-def _sweep(root, name: str, task: list[str]):
-    """A sweep directory as Hydra leaves it: multirun.yaml with the sweep's command-line overrides."""
+def _sweep(root, name: str, task: list[str], own: tuple[str, ...] = ()):
+    """A sweep directory as Hydra leaves it: multirun.yaml with the sweep's command-line overrides
+    (`task`) and Hydra's own (`own`, after the hydra.mode=MULTIRUN that -m sets)."""
     (root / name).mkdir(parents=True)
-    (root / name / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": task}}}))
+    overrides = {"hydra": ["hydra.mode=MULTIRUN", *own], "task": task}
+    (root / name / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": overrides}}))
     return root / name
 
 
@@ -100,6 +102,17 @@ def test_the_report_opens_with_device_torch_commit_date_and_command(tmp_path):
         ""]
     html = (tmp_path / "out" / "report.html").read_text()
     assert "<b>Device:</b> CPU" in html and "<code>python -m ablate -m experiment=demo optimizer=adamw,sgd</code>" in html
+
+
+def test_the_reports_command_keeps_hydras_own_overrides(tmp_path):
+    """A ladder given on the command line: without its hydra/sweeper and rungs the command runs
+    one point (was: `python -m ablate -m experiment=demo steps=5`)."""
+    runs = _sweep(tmp_path / "runs", "ladder", ["experiment=demo", "steps=5"],
+                  own=("hydra/sweeper=ladder", "hydra.sweeper.rungs=[{},{optimizer: sgd}]"))
+    _run(runs, "a")
+    md = _report(tmp_path)
+    assert ("- Command: `python -m ablate -m experiment=demo steps=5 hydra/sweeper=ladder "
+            "'hydra.sweeper.rungs=[{},{optimizer: sgd}]'`") in md.splitlines()
 
 
 def test_a_cpu_report_names_its_memory_traced_and_its_flops_readable(tmp_path):
