@@ -163,7 +163,7 @@ def test_a_family_the_analytic_model_does_not_describe_is_traced_and_says_so(tmp
 def test_without_transformers_a_point_is_an_invalid_row_saying_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     outcome = validate(compose_spec(tiny("smollm2-135m")))
-    assert outcome.status == "invalid" and "pip install 'ablate[hf]'" in outcome.reason
+    assert outcome.status == "invalid" and "pip install -e '.[hf]'" in outcome.reason
 
 
 def test_synthetic_data_draws_from_the_models_vocabulary():
