@@ -5,6 +5,7 @@ validate -> predict -> (prune | plan | launch the worker -> classify) -> Outcome
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from dataclasses import replace
@@ -82,6 +83,12 @@ def predicted(spec: RunSpec) -> Prediction | None:
     return None
 
 
+@functools.cache
+def _note_once(line: str) -> None:
+    """A note printed once per process (a sweep's points share one), not once per point."""
+    print(line, file=sys.stderr)
+
+
 def plan_outcome(prediction: Prediction | None, capacity: float | None) -> Outcome:
     """A predict_only point: `predicted`, or, where a capacity is known (gpu_memory_gib, else this
     machine's GPU) and the prediction does not fit it by find_batch's rule, an `oom` that never ran
@@ -115,6 +122,9 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
         return validate(probe) is None
 
     micros = find_batch.candidates(spec, runnable) if spec.find_batch else None  # validated once
+    if spec.predict_only and spec.device == "auto" and not gpu_mib:
+        _note_once("note: predict_only with device=auto and no GPU here plans for a CUDA GPU (its context "
+                   "and workspace included); device=cpu plans for this host's CPU")
     if spec.predict_only and spec.find_batch:
         outcome, prediction = find_batch.planned(spec, capacity, predicted, micros)
         return replace(outcome, env=judged), prediction

@@ -77,3 +77,14 @@ def test_a_slurm_start_that_fails_fails_the_eval_around_it(tmp_path):
     assert proc.returncode == 1 and "started" not in proc.stdout
     # Not root, it stops one check earlier, the same way.
     assert (f"{taken} belongs to another user" if root else "run me as root") in proc.stderr
+
+
+def test_a_plan_for_an_unnamed_device_on_a_cpu_host_says_it_plans_for_a_gpu(tmp_path):
+    """predict_only with device=auto plans for the GPU the user means to run on (its CUDA context
+    counted): on a host without one, one line says so and how to plan for this CPU instead."""
+    out = run_cli(["-m", "model=gpt-nano", "predict_only=true", "seed=1,2", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, fast=False,
+                  env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0 and out.stdout.count("[predicted]") == 2, out.stderr
+    assert out.stderr.count("plans for a CUDA GPU") == 1 and "device=cpu plans for this host's CPU" in out.stderr
+    cpu = run_cli(["model=gpt-nano", "predict_only=true", "device=cpu"], tmp_path / "cpu", fast=False)
+    assert "[predicted]" in cpu.stdout and "plans for a CUDA GPU" not in cpu.stderr
