@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
+from analysis.cells import flops
 from analysis.compare import varies
 from analysis.figure import (DPI, as_text, baselines, card, change_name, changed, fmt, is_status, num, on_device, plt,
                              run_label, save, series, setting_names, skipped, table_order, wrap)
@@ -139,6 +140,8 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.S
         ok, memory = df[is_status(df, "predicted") & np.isfinite(df["predicted_peak_mib"])], "predicted_peak_mib"
     if df["batch_size"].nunique() < 2 or ok.empty:
         return None
+    unit = flops(ok["tflops"])[0]  # the tables' unit: GFLOP/s where no run reaches 0.1 TFLOP/s
+    ok = ok.assign(flop_rate=ok["tflops"] * (1e3 if unit == "GFLOP/s" else 1.0))
     others = [c for c in labels if c in df and c != "batch_size"]
     named = _series(raw, ok, others, labels, bases)  # named from the rows as loaded (batch sizes as ints)
     shown = f"\n(the first {MAX_LINES} of {len(named)} lines, fewest changes first)" if len(named) > MAX_LINES else ""
@@ -147,13 +150,13 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.S
     fig, axes = plt.subplots(1, 1 if plan else 2, figsize=((6 if plan else 11) + 3, max(4.5, lines * 0.16 + 1.5)),
                              sharex=True, squeeze=False, layout="constrained", dpi=DPI)
     mem, tfl = axes[0][0], (None if plan else axes[0][1])
-    _scan_lines([(mem, memory)] + ([] if plan else [(tfl, "tflops")]), named, plan)
+    _scan_lines([(mem, memory)] + ([] if plan else [(tfl, "flop_rate")]), named, plan)
     never = skipped(df)
     oom = sorted(df.loc[is_status(df, "oom") & ~never, "batch_size"].unique())
     unrun = sorted(set(df.loc[never, "batch_size"]) - set(oom))  # an OOM of any series wins the size's mark
     _memory_panel(mem, df, ok, memory, oom, unrun, plan)
     if tfl is not None:
-        _throughput_panel(tfl, ok, oom, unrun)
+        _throughput_panel(tfl, ok, oom, unrun, unit)
     handles, texts = mem.get_legend_handles_labels()  # the same series in both panels: one legend
     if others or len(handles) > len(named):  # series worth naming, or the card's line
         fig.legend(handles, texts, loc="outside right upper", fontsize=8,
@@ -194,12 +197,12 @@ def _memory_panel(mem, df: pd.DataFrame, ok: pd.DataFrame, memory: str, oom, unr
     mem.grid(alpha=0.3)
 
 
-def _throughput_panel(tfl, ok: pd.DataFrame, oom, unrun) -> None:
+def _throughput_panel(tfl, ok: pd.DataFrame, oom, unrun, unit: str) -> None:
     tfl.set_ylim(bottom=0)
     if not np.isfinite(ok["tflops"]).any():
-        tfl.text(0.5, 0.5, "no TFLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
+        tfl.text(0.5, 0.5, "no FLOP/s measured", transform=tfl.transAxes, ha="center", color="0.4")
     _mark_oom(tfl, oom, unrun, 0.0, text=False)
-    tfl.set(xlabel="batch size (samples per step)", ylabel="TFLOP/s (model FLOPs per device)",
+    tfl.set(xlabel="batch size (samples per step)", ylabel=f"{unit} (model FLOPs per device)",
             title="Throughput" + _oom_key(oom, unrun, "OOM", " on axis"))
     tfl.grid(alpha=0.3)
 

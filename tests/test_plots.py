@@ -472,3 +472,17 @@ def test_plots_name_runs_against_the_baselines_they_are_given(tmp_path, monkeypa
     assert sorted(p.name for p in written) == ["breakdown.png", "loss_curves.png", "pareto.png"]
     assert {"+ fp32", "Baseline (batch size = 8): bf16 AMP"} <= set(notes)  # the pareto's points
     assert ticks == [["Baseline (batch size = 8): bf16 AMP", "+ fp32"]]  # the breakdown's bars, baseline on top
+
+
+@pytest.mark.parametrize("scale, unit", [(1.0, "TFLOP/s"), (1e-3, "GFLOP/s")])
+def test_the_batch_scans_throughput_is_in_the_tables_unit(tmp_path, scale, unit):
+    """A CPU at toy sizes reaches a few GFLOP/s: its axis says GFLOP/s with readable values, as the
+    tables do (was: 'TFLOP/s' over 0.002-0.05)."""
+    df = _sweep(10)
+    df["tflops"] = pd.to_numeric(df["tflops"]) * scale
+    _, fig, _ = _render(plots.batch_scan, df, tmp_path)
+    throughput = fig.axes[1]
+    assert throughput.get_ylabel() == f"{unit} (model FLOPs per device)"
+    drawn = np.concatenate([line.get_ydata() for line in throughput.get_lines()])
+    shown = df.loc[df["status"] == "ok", "tflops"] * (1e3 if unit == "GFLOP/s" else 1)
+    assert np.nanmax(drawn) == pytest.approx(shown.max())
