@@ -255,10 +255,30 @@ def unknown_key(argv: list[str]) -> str | None:
             errors.append(f"unknown key '{o.key_or_group}'" + (f" (did you mean '{close[0]}'?)" if close else "")
                           + f". Valid {prefix[:-1] or 'top-level'} keys: "
                           + ", ".join(prefix + k for k in sorted(valid)) + ".")
-    errors = [e for e in errors if e]
+    errors = [e for e in errors if e] + _unscalable(overrides)
     if not errors:
         return None
     return "\n".join(errors + ["See the whole config with `python -m ablate --cfg job`."])
+
+
+def _unscalable(overrides: list) -> list[str]:
+    """An overlay that sets model keys (scale=cpu: model.n_embd, ...) with a model named on the
+    command line that takes none of them (a Hugging Face model's shape is under model.config):
+    one line naming both, not the composed config's "model.n_embd is not a key of HFCausalLM"."""
+    errors = []
+    for o in overrides:
+        if o.key_or_group not in OVERLAYS or o.is_sweep_override() or o.is_delete():
+            continue
+        sets = option_defaults(o.key_or_group, str(o.value())).get("model") or {}
+        for model in (c for c in _chosen("model", overrides) if c in options("model")) if sets else ():
+            lacking = [k for k in sets if k not in option_takes("model", model)]
+            if lacking:
+                errors.append(f"{o.key_or_group}={o.value()} sets " + ", ".join(f"model.{k}" for k in lacking)
+                              + f", which model={model} does not take: it scales ablate's GPT-2 (model=gpt-nano ... "
+                              f"gpt2-xl). For model={model} leave {o.key_or_group}={o.value()} out and set its own "
+                              f"sizes (a Hugging Face model's under model.config: model.config.num_hidden_layers=2 "
+                              f"model.config.hidden_size=64 ...) and device=cpu.")
+    return errors
 
 
 def register() -> None:

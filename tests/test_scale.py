@@ -228,6 +228,12 @@ def test_scale_cpu_is_a_group_of_its_own_not_a_technique():
     assert unknown_key(["-m", "experiment=leanest", "scale=cpu"]) is None
     assert "did you mean 'cpu'" in unknown_key(["scale=cpux"])
     assert unknown_key(["experiment=fit_llama_1b", "scale=cpu", "model.n_layer=2"]) is None  # scale's model
+    # A Hugging Face model named with it: one line naming scale=cpu and the model (was: "model.n_embd
+    # is not a key of HFCausalLM", a key the user never typed)
+    hf = unknown_key(["model=llama3.2-1b", "scale=cpu"])
+    assert hf.startswith("scale=cpu sets model.n_embd, model.n_head, model.vocab_size, model.block_size, which "
+                         "model=llama3.2-1b does not take") and "model.config.num_hidden_layers=2" in hf
+    assert unknown_key(["model=gpt2-xl", "scale=cpu"]) is None
 
 
 @pytest.mark.parametrize("preset", PRESETS)
