@@ -27,6 +27,17 @@ def usable_mib(gpu_mib: float) -> float:
     return gpu_mib - CUDA_CONTEXT_MIB
 
 
+def host_free_mib() -> float | None:
+    """Host memory the kernel says a new process can take now (MemAvailable, Linux), in MiB; None
+    where /proc/meminfo does not say (macOS)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) / 1024  # kB
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def capacity_mib(gpu_memory_gib: float | None, gpu_total_mib: float | None) -> float | None:
     """The allocator budget of one rank: the emulated card's (`gpu_memory_gib`), else that of the
     GPU the point runs on (`gpu_total_mib`, None for none, e.g. device=cpu). None: unknown."""

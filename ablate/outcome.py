@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ablate import find_batch, results
 from ablate.build import check_config
-from ablate.capacity import capacity_mib
+from ablate.capacity import capacity_mib, host_free_mib
 from ablate.console import Progress
 from ablate.predict import Prediction, predict
 from ablate.predict.timeline import Unmodelled
@@ -83,6 +83,21 @@ def predicted(spec: RunSpec) -> Prediction | None:
     return None
 
 
+def _over_the_host(spec: RunSpec, prediction: Prediction | None, gpu_mib: float | None) -> str | None:
+    """An oom's reason for a point that would train in host memory (a CPU) and is predicted to need
+    more of it than the host has free (a GPU preset without scale=cpu: gpt2-large's 22 GiB on a
+    23 GiB VM); None when it fits or cannot be told. Not run: on a CPU nothing caps the allocator,
+    so the kernel's OOM killer would pick a process, perhaps not this point's."""
+    on_host = spec.device == "cpu" or (spec.device == "auto" and not gpu_mib)
+    free = host_free_mib() if on_host and prediction else None
+    ranks = spec.groups["parallel"].get("nproc")
+    need = prediction.peak_mib * (ranks if isinstance(ranks, int) else 1) if free else 0
+    if not free or need <= free * (1 - find_batch.MARGIN):
+        return None
+    return (f"{results.PRUNED} {need:,.0f} MiB of host memory > {free:,.0f} MiB free on this host; not run "
+            f"(on a CPU the OOM killer would end it, or another process: scale=cpu scales a preset down)")
+
+
 @functools.cache
 def _note_once(line: str) -> None:
     """A note printed once per process (a sweep's points share one), not once per point."""
@@ -138,6 +153,9 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
         at = f" at micro-batch {smallest}" if searched else ""
         return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
                               f"(+{spec.prune_margin:.0%} margin); not run", env=judged), prediction
+    too_big = _over_the_host(spec, prediction, gpu_mib)
+    if too_big:
+        return Outcome("oom", too_big, env=judged), prediction
     if not searched:
         return run_once(spec, run_dir, overrides, progress), prediction
     # The search starts where the predictions say the largest micro-batch that fits is: when

@@ -245,3 +245,27 @@ def test_a_plan_with_a_capacity_stops_its_batch_scan_where_the_run_would(tmp_pat
                             capture_output=True, text=True, timeout=120)
     assert f"OOM (predicted ~{peak[7]:,.0f})" in report.stdout and "TFLOP/s" not in report.stdout
     assert (tmp_path / "report" / "batch_scan.png").exists()
+
+
+def test_a_cpu_point_predicted_past_the_hosts_free_memory_is_an_oom_that_never_ran(tmp_path, monkeypatch):
+    """A GPU preset started on a CPU without scale=cpu (gpt2-large: 22 GiB predicted on a 23 GiB
+    VM) is not left to the kernel's OOM killer: its row is an oom by prediction, rerun later.
+    Each rank of a multi-process CPU point counts."""
+    import io
+
+    from ablate import outcome
+    from ablate.console import Progress
+
+    spec = compose_spec(["model=gpt-nano", "device=cpu", "batch_size=4", "seq_len=16", "steps=2"])
+    need = outcome.predicted(spec).peak_mib
+    monkeypatch.setattr(outcome, "host_free_mib", lambda: need)  # less the 5% margin: too little
+    out, prediction = outcome.outcome_of(spec, tmp_path, [], Progress("host", stream=io.StringIO()))
+    assert out.status == "oom" and results.predicted_oom({"status": out.status, "reason": out.reason})
+    assert f"of host memory > {need:,.0f} MiB free on this host" in out.reason and prediction.peak_mib == need
+    assert not (tmp_path / "events.jsonl").exists()  # no worker ran
+    ddp = compose_spec(["model=gpt-nano", "device=cpu", "batch_size=4", "seq_len=16", "parallel=ddp",
+                        "parallel.nproc=2"])
+    assert outcome._over_the_host(ddp, outcome.predicted(ddp), None).startswith(
+        f"predicted: {2 * outcome.predicted(ddp).peak_mib:,.0f} MiB")
+    monkeypatch.setattr(outcome, "host_free_mib", lambda: 2 * need)
+    assert outcome._over_the_host(spec, prediction, None) is None
