@@ -96,13 +96,17 @@ def _implied(row: pd.Series, base: pd.Series, col: str) -> bool:
 
 def not_a_ladder(df: pd.DataFrame, labels: list[str]) -> str | None:
     """Why these rows, in this order, are not a ladder (each adds to the row above), or None. A row
-    that drops what the row above had ("− Block recompute") is a variant of a common base: a preset
-    with `cumulative: false`, or a grid."""
+    that goes back to the first row's value of something the row above had changed drops it: "−
+    Block recompute", but also SGD back to AdamW or batch size 16 back to 8 (which a label would
+    call "+ AdamW", "+ batch size = 8"). Such rows are variants of a common base: a preset with
+    `cumulative: false`, or a grid. Changing a value again (batch 64, then 128) is a rung."""
     rows = [row for _, row in df.iterrows()]
     for above, row in zip(rows, rows[1:]):
-        dropped = [c[2:] for c in changes(row, above, labels) if c.startswith("− ")]
-        if dropped:
-            return f"'{setting_label(row, above, labels)}' drops {dropped[0]}, which the row above has"
+        back = [col for col in labels if str(row[col]) == str(rows[0][col]) != str(above[col])
+                and not ("." in col and _implied(row, above, col))]
+        if back:
+            return (f"'{setting_label(row, above, labels)}' drops {changes(above, row, back[:1])[0]}, "
+                    f"which the row above has")
     return None
 
 

@@ -25,11 +25,11 @@ def _sweep(root, name: str, task: list[str], own: tuple[str, ...] = ()):
 
 
 def _run(where, name, peak=100.0, p50=50.0, spread=(45.0, 55.0), seq_len=64, steps=10, vocab=512,
-         tflops=0.004, env=CPU, finished="2026-11-25T01:00:00+00:00", accumulation_steps=1, **choices):
+         tflops=0.004, env=CPU, finished="2026-11-25T01:00:00+00:00", accumulation_steps=1, batch_size=8, **choices):
     metrics = {"peak_allocated_mib": peak, "iter_time_ms": p50, "iter_time_ms_p10": spread[0],
                "iter_time_ms_p90": spread[1], "train_latency_s": p50 * steps / 1e3, "tflops": tflops,
                "loss_final": 4.0, "losses": [5.0, 4.0]}
-    config = {"batch_size": 8, "seq_len": seq_len, "steps": steps, "device": "cpu",
+    config = {"batch_size": batch_size, "seq_len": seq_len, "steps": steps, "device": "cpu",
               "accumulation": {"steps": accumulation_steps},
               "model": {"vocab_size": vocab}}
     r = results.make(name, "ok", None, {**CHOICES, **choices}, config, [f"seq_len={seq_len}"], metrics=metrics,
@@ -157,3 +157,20 @@ def test_csv_on_stdout_is_the_full_table_whichever_tables_are_written(tmp_path, 
         printed.append(capsys.readouterr().out)
     assert printed[0] == printed[1]
     assert printed[0].splitlines()[0].startswith("optimizer,Peak allocated (MiB)") and len(printed[0].splitlines()) == 3
+
+
+def test_ladder_notices_a_row_that_goes_back_to_the_baselines_value(tmp_path, capsys):
+    """A row that returns to the first row's optimizer and batch size drops them, though no "− "
+    label says so (was: "+ SGD + batch size = 8" after batch size 16, read as additions); a value
+    changed again (batch 16, then 32) is a rung."""
+    runs = _sweep(tmp_path / "runs", "grid", ["optimizer=adamw,sgd", "batch_size=8,16"])
+    _run(runs, "a8", finished="2026-11-25T01:00:00+00:00")
+    _run(runs, "a16", finished="2026-11-25T01:01:00+00:00", batch_size=16)
+    _run(runs, "s8", optimizer="sgd", finished="2026-11-25T01:02:00+00:00")
+    _report(tmp_path, "--ladder")
+    assert "these runs are not a ladder ('+ SGD + batch size = 8' drops batch size = 16, which the row above " \
+        "has)" in capsys.readouterr().err
+    (tmp_path / "runs" / "grid" / "s8").rename(tmp_path / "s8")  # out of the report
+    _run(runs, "a32", finished="2026-11-25T01:02:00+00:00", batch_size=32)
+    md = _report(tmp_path, "--ladder")
+    assert "not a ladder" not in capsys.readouterr().err and "Setting (ladder)" in md
