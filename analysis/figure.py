@@ -84,6 +84,14 @@ def drawn(jobs: list, meanwhile, first: list[int] = ()):
     return result, [done[i] for i in range(len(jobs)) if done[i] is not None]
 
 
+def family_file(stem: str, family: str | None) -> str:
+    """A plot's file name: `stem`.png for the runs' one family, `stem`-<what the family holds fixed>.png
+    for each of several ("pareto-gpt2-seq_len-64.png")."""
+    if family is None:
+        return f"{stem}.png"
+    return f"{stem}-{re.sub(r'[^A-Za-z0-9._-]+', '-', family.replace('model=', ''))}.png"
+
+
 def save(fig, out: str | Path, name: str) -> Path:
     path = Path(out) / name
     path.parent.mkdir(parents=True, exist_ok=True)

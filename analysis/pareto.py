@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.figure import (DPI, card, changed, is_status, num, on_device, plt, save, setting_names, skipped,
+from analysis.figure import (DPI, card, changed, family_file, is_status, num, on_device, plt, save, setting_names, skipped,
                              table_order, wrap)
 from analysis.place import box, numbered, place
 
@@ -210,7 +209,5 @@ def pareto_jobs(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.
     """paretos' plots as calls to make (functools.partial), one per family."""
     from analysis.compare import families
 
-    return [functools.partial(pareto, part, part_labels, out, "pareto.png" if title is None else
-                              f"pareto-{re.sub(r'[^A-Za-z0-9._-]+', '-', title.replace('model=', ''))}.png",
-                              bases, title)
+    return [functools.partial(pareto, part, part_labels, out, family_file("pareto", title), bases, title)
             for title, part, part_labels in families(df, labels)]

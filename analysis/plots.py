@@ -15,9 +15,9 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from analysis.cells import flops
-from analysis.compare import varies
-from analysis.figure import (DPI, as_text, baselines, card, change_name, changed, fmt, is_status, num, on_device, plt,
-                             run_label, save, series, setting_names, skipped, table_order, wrap)
+from analysis.compare import families, varies
+from analysis.figure import (DPI, as_text, baselines, card, change_name, changed, family_file, fmt, is_status, num,
+                             on_device, plt, run_label, save, series, setting_names, skipped, table_order, wrap)
 from analysis.pareto import pareto, pareto_front, pareto_jobs, paretos  # noqa: F401  (the report's plots, one import)
 from analysis.place import drop_crowded, thin_ticks
 
@@ -37,10 +37,12 @@ MAX_BARS = 40
 MAX_LINES = len(STYLES) * 10
 
 
-def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> Path | None:
+def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None,
+              family: str | None = None) -> Path | None:
     """Stacked bars of where each ok run's peak memory went (MiB), total at the end of each bar, each
     run named by its setting label (`bases`: as in setting_names). A plan that ran nothing
-    (predict_only) gets its predicted peaks split the same way."""
+    (predict_only) gets its predicted peaks split the same way. `family`: what the runs share, when
+    the report has several families (its title, and breakdown-<family>.png)."""
     if df.empty:
         return None
     ok, prefix, title = df[is_status(df, "ok")], "breakdown", "Memory breakdown per run"
@@ -73,11 +75,11 @@ def breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Se
     ax.set_ylim(len(ok) - 0.5, -0.5)  # first run on top, like the table; no empty rows at the ends
     ax.set_xlim(0, left.max() * 1.15 if left.max() > 0 else 1)
     ax.set_xlabel("memory at peak (MiB)")
-    ax.set_title(f"{title}{on_device(df)}")
+    ax.set_title(f"{title}{on_device(df)}" + (f"\n({family})" if family else ""))
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never hides a bar
     ax.grid(axis="x", alpha=0.3)
-    return save(fig, out, "breakdown.png")
+    return save(fig, out, family_file("breakdown", family))
 
 
 def _mark_oom(ax, sizes, unrun, y: float, text: bool) -> list:
@@ -126,10 +128,11 @@ def _scan_lines(panels, named: list, plan: bool) -> None:
                     label=wrap(name, NAME_WIDTH))
 
 
-def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> Path | None:
+def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None,
+               family: str | None = None) -> Path | None:
     """Peak memory and TFLOP/s vs batch size, one line per combination of the other labels (named as
     in _series; `bases` as in setting_names). A plan that ran nothing (predict_only) gets its
-    predicted peaks alone, with the OOMs it predicted."""
+    predicted peaks alone, with the OOMs it predicted. `family` as in breakdown."""
     if df.empty or "batch_size" not in df:
         return None
     raw, df = df, df.assign(**{c: num(df, c) for c in ("batch_size", MEMORY, "tflops", "predicted_peak_mib")})
@@ -161,13 +164,14 @@ def batch_scan(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.S
     if others or len(handles) > len(named):  # series worth naming, or the card's line
         fig.legend(handles, texts, loc="outside right upper", fontsize=8,
                    title="against the baseline" if others and "status" in df else None, title_fontsize=8)
-    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{on_device(df)}{shown}")
+    fig.suptitle(f"Batch-size scan{' plan (nothing ran)' if plan else ''}{on_device(df)}{shown}"
+                 + (f"\n({family})" if family else ""))
     fig.draw_without_rendering()  # the layout, then what would collide in it
     renderer = fig.canvas.get_renderer()
     thin_ticks(mem.xaxis, renderer)
     _inside(mem, renderer)
     drop_crowded(mem.texts, renderer)  # "OOM" / "not run" words of neighbouring sizes: the title keys the marks
-    return save(fig, out, "batch_scan.png")
+    return save(fig, out, family_file("batch_scan", family))
 
 
 def _inside(ax, renderer) -> None:
@@ -318,6 +322,9 @@ def plot_jobs(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Se
     figure of its own, so they can be drawn side by side (figure.drawn)."""
     from analysis.where import module_breakdown  # reads the runs' memory_by_module.csv files
 
-    return [*pareto_jobs(df, labels, out, bases), functools.partial(breakdown, df, labels, out, bases),
-            functools.partial(batch_scan, df, labels, out, bases), functools.partial(loss_curves, df, labels, out),
+    # One breakdown and one batch scan per family of comparable runs, as the Pareto plots: bars and
+    # lines of different models side by side would carry the same labels ("Baseline" three times).
+    per_family = [functools.partial(plot, part, part_labels, out, bases, title)
+                  for plot in (breakdown, batch_scan) for title, part, part_labels in families(df, labels)]
+    return [*pareto_jobs(df, labels, out, bases), *per_family, functools.partial(loss_curves, df, labels, out),
             functools.partial(module_breakdown, df, labels, out)]

@@ -8,6 +8,7 @@ import yaml
 
 from ablate import results
 from analysis import cells
+from analysis.figure import family_file
 from analysis.report import main
 
 CHOICES = {"model": "gpt-nano", "data": "synthetic", "optimizer": "adamw", "precision": "fp32", "accumulation": "none",
@@ -174,3 +175,25 @@ def test_ladder_notices_a_row_that_goes_back_to_the_baselines_value(tmp_path, ca
     _run(runs, "a32", finished="2026-11-25T01:02:00+00:00", batch_size=32)
     md = _report(tmp_path, "--ladder")
     assert "not a ladder" not in capsys.readouterr().err and "Setting (ladder)" in md
+
+
+def test_each_family_gets_its_own_breakdown_and_batch_scan(tmp_path):
+    """As the Pareto plots: a breakdown or batch scan over two models would show "Baseline" twice,
+    bars of 10 and 1,200 MiB on one axis (was: one breakdown.png and batch_scan.png for all)."""
+    from analysis import plots
+    from analysis.compare import families, varied
+    from analysis.load import load
+
+    for name, steps, vocab in (("demo", 200, 512), ("default", 3, 50257)):
+        runs = _sweep(tmp_path / "runs", name, ["batch_size=8,16", "optimizer=adamw,sgd"])
+        for batch, optimizer in ((8, "adamw"), (16, "adamw"), (8, "sgd")):
+            _run(runs, f"{name}{batch}{optimizer}", steps=steps, vocab=vocab, batch_size=batch, optimizer=optimizer,
+                 peak=batch * 10.0)
+    df = load([tmp_path / "runs"])
+    titles = [title for title, _, _ in families(df, varied(df))]
+    assert len(titles) == 2 and None not in titles
+    jobs = [j for j in plots.plot_jobs(df, varied(df), tmp_path / "out") if j.func in (plots.breakdown, plots.batch_scan)]
+    assert sorted((j.func.__name__, j.args[-1]) for j in jobs) == sorted(
+        (plot, t) for plot in ("batch_scan", "breakdown") for t in titles)
+    written = sorted(p.name for p in (j() for j in jobs) if p is not None)  # no breakdown columns in these rows
+    assert written == sorted(family_file("batch_scan", t) for t in titles) and "steps-200" in written[0] + written[1]
