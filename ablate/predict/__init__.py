@@ -4,7 +4,7 @@ Two methods, one result shape (`Prediction`):
 - analytic (ablate/predict/analytic.py): closed-form tensor sizes played through one training
   step as a timeline of allocations and frees; instant, no torch allocation at all.
 - trace (ablate/predict/trace.py): the real training step run on fake tensors (FakeTensorMode)
-  under torch's MemTracker; needs no GPU and no memory, takes seconds to minutes.
+  under torch's MemTracker; needs no memory (a CUDA point: a visible GPU), takes seconds to minutes.
 
 Both predict one rank's device memory as the torch allocator sees it (peak_allocated_mib), in MiB.
 """
