@@ -41,6 +41,11 @@ def cli() -> None:
     command line it refuses and for a single run whose point ended invalid, oom, error or timeout
     (so a script notices; a sweep that survives its failing points exits 0, its rows say how each
     ended), 130 for Ctrl-C."""
+    if sys.argv[1:] == ["--version"]:  # Hydra's own flag would print only "Hydra 1.3.8"
+        from importlib.metadata import version
+
+        print(f"ablate {version('ablate')} (torch {version('torch')}, Hydra {version('hydra-core')})")
+        return
     error = unknown_key(sys.argv[1:])
     if error:
         sys.exit(error)

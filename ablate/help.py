@@ -19,7 +19,15 @@ def _first_sentence(text: str) -> str:
     text = " ".join(text.split())
     match = re.match(r"(.+?)\.(\s|$)", text)
     line = match.group(1) if match else text
-    return line if len(line) <= WIDTH - 26 else line[:WIDTH - 29].rstrip() + "..."
+    room = WIDTH - 26
+    if len(line) <= room:
+        return line
+    # Too long: end at the last clause that fits ("...: 1,235,814,400 p..." read as a number cut
+    # off), else at the last whole word, never inside one.
+    clause = max(line.rfind("; ", 0, room), line.rfind(": ", 0, room))
+    if clause >= room // 2:
+        return line[:clause]
+    return line[:line.rfind(" ", 0, room - 3)].rstrip(",;:") + "..."
 
 
 def option_line(group: str, option: str) -> str:

@@ -178,7 +178,8 @@ def _option_error(o, valid: list[str]) -> str | None:
     wrong = [str(n) for n in names if str(n) not in valid and n is not None]
     if not wrong:
         return None
-    close = difflib.get_close_matches(wrong[0], valid, n=1)
+    # An option the typed name begins (adamw8 -> adamw8bit) before the closest spelling (adamw)
+    close = [v for v in valid if v.startswith(wrong[0])][:1] or difflib.get_close_matches(wrong[0], valid, n=1)
     return (f"unknown {o.key_or_group} '{wrong[0]}'" + (f" (did you mean '{close[0]}'?)" if close else "")
             + f". Valid {o.key_or_group} options: " + ", ".join(valid) + ".")
 

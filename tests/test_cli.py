@@ -188,8 +188,14 @@ def test_help_says_what_ablate_is_and_its_examples_are_valid_points():
     # One line for each option and each run key, from the option's file and the schema's comments.
     lines = proc.stdout.splitlines()
     assert "  adamw                   torch.optim.AdamW with PyTorch's default implementation choice" in lines
-    assert "  warmup_steps            Unmeasured steps (>= 2): the first allocates the optimizer state, the last is tra..." \
+    assert "  warmup_steps            Unmeasured steps (>= 2): the first allocates the optimizer state, the last is..." \
         in lines
+    # A line too long ends at a clause or a whole word, never inside one (was: "the other gpt* options cha...")
+    from ablate.help import WIDTH, _first_sentence, option_line
+    assert option_line("model", "gpt2") == "ablate's own GPT-2 (ablate/model.py), 124M parameters"
+    cut = _first_sentence(" ".join(f"word{i}" for i in range(40)))
+    assert cut.endswith("...") and cut[:-3].split()[-1] in [f"word{i}" for i in range(40)]
+    assert all(len(ln) <= WIDTH for ln in lines)
     for group in ("model", "optimizer", "checkpoint", "experiment"):
         listed = lines[lines.index(f"{group}:") + 1:]
         for option in options(group):

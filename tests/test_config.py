@@ -63,6 +63,14 @@ def test_unknown_option_names_the_valid_choices():
     assert out.returncode != 0
     assert out.stderr.startswith("unknown optimizer 'adamx' (did you mean 'adamw'?). Valid optimizer options: ")
     assert "sgd" in out.stderr and "Traceback" not in out.stderr
+    # the start of a name before the closest spelling (was: adamw8 -> 'adamw')
+    assert "did you mean 'adamw8bit'?" in unknown_key(["optimizer=adamw8"])
+    assert "did you mean 'gpt2-xl'?" in unknown_key(["model=gpt2-x"])
+
+
+def test_version_names_ablate_and_what_it_runs_on():
+    out = subprocess.run([sys.executable, "-m", "ablate", "--version"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ablate ") and "torch " in out.stdout and "Hydra " in out.stdout
 
 
 def test_unknown_key_names_the_valid_keys_and_the_closest():
