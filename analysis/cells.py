@@ -50,6 +50,16 @@ def failed(row: pd.Series) -> str:
     return "OOM" if row["status"] == "oom" else row["status"]
 
 
+def _timed_steps(row: pd.Series) -> float:
+    """How many steps a run timed: its losses less the warm-up ones (a `samples` preset sets its
+    steps from the data), else its `steps`; infinite where the row cannot tell."""
+    losses, warmup = row.get("losses"), pd.to_numeric(row.get("warmup_steps"), errors="coerce")
+    if hasattr(losses, "__len__") and not isinstance(losses, str) and len(losses) and pd.notna(warmup):
+        return len(losses) - float(warmup)
+    steps = pd.to_numeric(row.get("steps"), errors="coerce")
+    return float(steps) if pd.notna(steps) else float("inf")
+
+
 def _p10_p90(row: pd.Series) -> tuple[float, float] | None:
     lo, hi = row.get("iter_time_ms_p10"), row.get("iter_time_ms_p90")
     return None if lo is None or hi is None or pd.isna(lo) or pd.isna(hi) else (float(lo), float(hi))
@@ -61,10 +71,17 @@ def spread(row: pd.Series) -> str:
     return "" if p is None else f"{p[0]:,.1f}–{p[1]:,.1f}"
 
 
+MIN_TIMED_STEPS = 5  # fewer measured steps show no spread to judge a time difference against
+
+
 def within_noise(row: pd.Series, base: pd.Series) -> bool:
     """Whether one run's median iteration time lies inside the other's p10–p90: the difference is
     then no larger than that run's own variation from step to step (a loaded CPU, a GPU's clocks),
-    so it is not shown as an effect of what differs. Unknown (no spread recorded) is not noise."""
+    so it is not shown as an effect of what differs. So is any difference where a run timed fewer
+    than MIN_TIMED_STEPS steps (scale=cpu's 2: a p10–p90 of two values is no spread; on a loaded
+    CPU such pairs read as -94% "speedups"). Unknown (no spread recorded) is not noise."""
+    if any(_timed_steps(r) < MIN_TIMED_STEPS for r in (row, base)):
+        return True
     a, b = _p10_p90(row), _p10_p90(base)
     if a is None or b is None or pd.isna(row.get("iter_time_ms")) or pd.isna(base.get("iter_time_ms")):
         return False
@@ -110,5 +127,6 @@ def footnote(cpu: bool) -> str:
               "training; reserved adds cached free blocks; NVML is what the driver sees (CUDA context included)")
     return (f"{memory}. MiB = 2^20 bytes. Iteration time: median of the measured steps, and its p10–p90 "
             f"spread. Training latency: all measured steps. {NOISE} in a Δ time column: one run's median "
-            "iteration time lies inside the other's p10–p90, so the difference is noise, not an effect. (reused): a row "
+            "iteration time lies inside the other's p10–p90, or one of them timed fewer than "
+            f"{MIN_TIMED_STEPS} steps, so the difference is noise, not an effect. (reused): a row "
             "an earlier sweep measured (the same run_id), not run again.")

@@ -197,3 +197,17 @@ def test_each_family_gets_its_own_breakdown_and_batch_scan(tmp_path):
         (plot, t) for plot in ("batch_scan", "breakdown") for t in titles)
     written = sorted(p.name for p in (j() for j in jobs) if p is not None)  # no breakdown columns in these rows
     assert written == sorted(family_file("batch_scan", t) for t in titles) and "steps-200" in written[0] + written[1]
+
+
+def test_a_time_delta_of_runs_that_timed_two_steps_is_noise(tmp_path):
+    """scale=cpu times 2 steps: their p10–p90 is no spread, and on a loaded CPU a pair of them read
+    as a -94% "speedup" of gradient accumulation. Fewer than 5 timed steps: `~`."""
+    runs = _sweep(tmp_path / "runs", "grid", ["optimizer=adamw,sgd"])
+    _run(runs, "a", steps=2, p50=1000.0, spread=(990.0, 1010.0))
+    _run(runs, "s", steps=2, p50=60.0, spread=(59.0, 61.0), optimizer="sgd")
+    md = _report(tmp_path)
+    table = md.split("## Setting\n\n", 1)[1].split("\n\n", 1)[0]
+    sgd = next(line for line in table.splitlines() if line.startswith("| + SGD"))
+    header = [c.strip() for c in table.splitlines()[0].split("|")[2:-1]]
+    assert [c.strip() for c in sgd.split("|")[2:-1]][header.index("Δ time vs baseline")] == cells.NOISE
+    assert "or one of them timed fewer than 5 steps" in md
