@@ -54,6 +54,15 @@ def test_hydras_shell_completion_passes_the_key_check():
     assert "hydra_bash_completion" in proc.stdout
 
 
+def test_the_readmes_completion_line_completes_the_ablate_command():
+    """README: `eval "$(ablate --shell-completion install=bash)"`, then `ablate optim<TAB>`."""
+    script = ('eval "$(ablate --shell-completion install=bash)"; COMP_LINE="ablate optim"; COMP_POINT=12; '
+              'COMP_CWORD=1; hydra_bash_completion; echo "${COMPREPLY[@]}"')
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.stdout.split() == ["optimizer.", "optimizer="], proc.stderr
+
+
 def test_every_technique_library_installs_with_ablate():
     """bitsandbytes (8-bit AdamW) and torchao (low-bit AdamWs, stochastic rounding, optimizer
     offload) are dependencies, not extras: single_gpu_techniques's all-combined row was invalid on a
