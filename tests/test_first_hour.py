@@ -97,3 +97,12 @@ def test_a_plan_for_an_unnamed_device_on_a_cpu_host_says_it_plans_for_a_gpu(tmp_
     assert out.stderr.count("plans for a CUDA GPU") == 1 and "device=cpu plans for this host's CPU" in out.stderr
     cpu = run_cli(["model=gpt-nano", "predict_only=true", "device=cpu"], tmp_path / "cpu", fast=False)
     assert "[predicted]" in cpu.stdout and "plans for a CUDA GPU" not in cpu.stderr
+
+
+def test_importing_torchao_through_ablate_prints_no_developer_warnings():
+    """Every worker that used torchao printed torch's deprecation of its Enum registrations and
+    torchao's prebuilt kernels for another Python: noise in each point's console lines."""
+    code = "import ablate, torchao, torchao.optim, torchao.float8"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "register_constant" not in proc.stderr and "Failed to load" not in proc.stderr, proc.stderr
