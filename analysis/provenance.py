@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ablate.results import predicted_oom
+
 MAX_COMMANDS = 3  # a report over many sweeps lists the first few commands and counts the rest
 
 
@@ -35,8 +37,9 @@ def about(df: pd.DataFrame) -> list[tuple[str, str]]:
     """(name, value) lines: device, torch, commit, date, command(s). A run that never reached a
     worker (invalid, predicted) names no device or torch, so those come from the runs that did."""
     ran = df[df["env_torch"].notna()] if "env_torch" in df else df.iloc[0:0]
-    device = "none ran (a plan: predicted, not measured)" if ran.empty else _counted(
-        ran["env_gpu_name"].where(ran["env_gpu_name"].notna(), "CPU"))
+    plan = any(r.get("status") == "predicted" or predicted_oom(r) for r in df.to_dict("records"))  # nothing ran by design
+    device = (("none ran (a plan: predicted, not measured)" if plan else "none ran") if ran.empty
+              else _counted(ran["env_gpu_name"].where(ran["env_gpu_name"].notna(), "CPU")))
     commits = [c[:7] + ("+dirty" if c.endswith("+dirty") else "") for c in _distinct(df.get("env_git_sha", []))]
     commands = _distinct(df["command"]) if "command" in df else []
     shown = [f"`{c}`" for c in commands[:MAX_COMMANDS]]

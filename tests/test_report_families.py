@@ -211,3 +211,12 @@ def test_a_time_delta_of_runs_that_timed_two_steps_is_noise(tmp_path):
     header = [c.strip() for c in table.splitlines()[0].split("|")[2:-1]]
     assert [c.strip() for c in sgd.split("|")[2:-1]][header.index("Δ time vs baseline")] == cells.NOISE
     assert "or one of them timed fewer than 5 steps" in md
+
+
+def test_a_report_of_invalid_rows_alone_is_not_called_a_plan(tmp_path):
+    runs = _sweep(tmp_path / "runs", "bad", ["accumulation.steps=3"])
+    r = results.make("bad", "invalid", "batch_size=8 is not divisible by accumulation.steps=3", CHOICES,
+                     {"batch_size": 8, "seq_len": 64, "steps": 10, "device": "cpu"}, [], env={})
+    results.write_json(runs / "bad" / "result.json", r)
+    md = _report(tmp_path)
+    assert "- Device: none ran" in md.splitlines() and "a plan" not in md.split("- torch")[0]
