@@ -7,6 +7,7 @@ Failed points stay in every table, as OOM / invalid / error / timeout cells.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,26 @@ def in_reading_order(df: pd.DataFrame, labels: list[str], ladder: bool) -> pd.Da
     elif ladder:
         df = df.sort_values("finished_at", kind="stable")
     return df.reset_index(drop=True)
+
+
+_FIGURE = re.compile(r"[+-]?[\d,]*\.?\d+%?")  # "41,766", "-0.7%", "+12.0%": a number as the tables print it
+
+
+def numbers(table: pd.DataFrame) -> pd.DataFrame:
+    """The table with its figures as a spreadsheet or pandas reads them: no thousands separators,
+    and a column of percentages as numbers under a "(%)" heading ("-0.7%" -> -0.7). Text cells
+    (labels, statuses, spreads such as "11.6–13.0") stay as they are."""
+    out = {}
+    for col in table.columns:
+        cells = table[col].astype(str)
+        figures = cells[cells != ""].map(lambda c: bool(_FIGURE.fullmatch(c)))
+        if figures.empty or not figures.all():
+            out[col] = table[col]
+            continue
+        percent = cells[cells != ""].str.endswith("%").all()
+        plain = cells.str.replace(",", "").str.rstrip("%").str.lstrip("+")
+        out[f"{col} (%)" if percent else col] = plain
+    return pd.DataFrame(out, index=table.index)
 
 
 def is_ladder(families: list) -> bool:
@@ -222,11 +243,11 @@ def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
         print(html)
     elif args.format == "csv":  # the full table, as written above when it was asked for
         full = dict(parts).get("All runs")
-        (tables.full(df, labels, view.bases) if full is None else full).to_csv(sys.stdout, index=False)
+        numbers(tables.full(df, labels, view.bases) if full is None else full).to_csv(sys.stdout, index=False)
     else:
         print(text)
     print(f"wrote {out}/report.md, runs.csv{', report.html' if args.format == 'html' else ''} and "
-          f"{len(images)} plots", file=sys.stderr)
+          f"{len(images)} plot{'s' if len(images) != 1 else ''}", file=sys.stderr)
     return 0
 
 

@@ -220,3 +220,17 @@ def test_a_report_of_invalid_rows_alone_is_not_called_a_plan(tmp_path):
     results.write_json(runs / "bad" / "result.json", r)
     md = _report(tmp_path)
     assert "- Device: none ran" in md.splitlines() and "a plan" not in md.split("- torch")[0]
+
+
+def test_csv_on_stdout_reads_as_numbers(tmp_path, capsys):
+    """`--format csv` is for a spreadsheet or pandas: no "41,766" strings or "+0.0%" cells."""
+    import io
+
+    runs = _sweep(tmp_path / "runs", "grid", ["optimizer=adamw,sgd"])
+    _run(runs, "a", peak=12345.6)
+    _run(runs, "s", optimizer="sgd", peak=80.0)
+    _report(tmp_path, "--format", "csv")
+    table = pd.read_csv(io.StringIO(capsys.readouterr().out))
+    assert table["Peak allocated (MiB)"].tolist() == [12345.6, 80.0]
+    assert pd.api.types.is_numeric_dtype(table["Δ loss vs baseline (%)"])
+    assert table["optimizer"].tolist() == ["adamw", "sgd"] and table["Status"].tolist() == ["ok", "ok"]
