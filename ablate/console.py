@@ -72,5 +72,7 @@ class Progress:
         if m.get("max_batch_size"):  # find_batch's answer, measured or predicted
             guess = f" (predicted {m['predicted_max_batch_size']})" if m.get("predicted_max_batch_size") else ""
             detail = f"max micro-batch {m['max_batch_size']}{guess}  " + detail
+        if skipped:  # what to type when the earlier row is not wanted
+            detail += "  (found done; skip_existing=false runs it again)"
         self.stream.write(f"[{status:>7}] {self.label}  {detail}  -> {where}\n")
         self.stream.flush()

@@ -79,7 +79,7 @@ def test_what_made_a_row_invalid_or_an_input_file_can_be_mended_and_the_rerun_ru
     chars = ["data=chars", f"data.path={text}", "data.eval_samples=8", "model=gpt-nano", "batch_size=4",
              "seq_len=16", "steps=3", "warmup_steps=2", "device=cpu"]
     first, same = (run_cli(chars, tmp_path, fast=False).stdout for _ in range(2))
-    assert "[     ok]" in first and "[   skip]" in same
+    assert "[     ok]" in first and "[   skip]" in same and "skip_existing=false runs it again" in same
     text.write_text("the quick brown fox jumps over the lazy dog " * 40)
     edited = run_cli(chars, tmp_path, fast=False).stdout
     assert "[     ok]" in edited and "[   skip]" not in edited, edited  # was: the old file's row, skipped
