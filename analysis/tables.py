@@ -128,7 +128,10 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
     base, memory = df.loc[base_i], memory_heading(df)
     runs = dict(df.iterrows())  # each row once: df.loc per row costs a millisecond
     order = list(df.index)
-    if not ladder:  # published tables open with the baseline, then one change, then two...; a ladder keeps its order
+    rungs = "rung" in df and df["rung"].notna().all()  # a preset's rungs: in the order it lists them (README)
+    if rungs and not ladder:
+        order = [base_i, *df.index.drop(base_i)]
+    elif not ladder:  # published tables open with the baseline, then one change, then two...; a ladder keeps its order
         order = [base_i, *sorted(df.index.drop(base_i), key=lambda i: len(changes(runs[i], base, labels)))]  # stable
     rows, prev_any = [], None
     prev = {}  # the last ok row and the last predicted one: a delta never mixes the two

@@ -26,11 +26,11 @@ def _sweep(root, name: str, task: list[str], own: tuple[str, ...] = ()):
 
 
 def _run(where, name, peak=100.0, p50=50.0, spread=(45.0, 55.0), seq_len=64, steps=10, vocab=512,
-         tflops=0.004, env=CPU, finished="2026-11-25T01:00:00+00:00", accumulation_steps=1, batch_size=8, **choices):
+         tflops=0.004, env=CPU, finished="2026-11-25T01:00:00+00:00", accumulation_steps=1, batch_size=8, rung=None, **choices):
     metrics = {"peak_allocated_mib": peak, "iter_time_ms": p50, "iter_time_ms_p10": spread[0],
                "iter_time_ms_p90": spread[1], "train_latency_s": p50 * steps / 1e3, "tflops": tflops,
                "loss_final": 4.0, "losses": [5.0, 4.0]}
-    config = {"batch_size": batch_size, "seq_len": seq_len, "steps": steps, "device": "cpu",
+    config = {"batch_size": batch_size, "seq_len": seq_len, "steps": steps, "device": "cpu", "rung": rung,
               "accumulation": {"steps": accumulation_steps},
               "model": {"vocab_size": vocab}}
     r = results.make(name, "ok", None, {**CHOICES, **choices}, config, [f"seq_len={seq_len}"], metrics=metrics,
@@ -234,3 +234,16 @@ def test_csv_on_stdout_reads_as_numbers(tmp_path, capsys):
     assert table["Peak allocated (MiB)"].tolist() == [12345.6, 80.0]
     assert pd.api.types.is_numeric_dtype(table["Δ loss vs baseline (%)"])
     assert table["optimizer"].tolist() == ["adamw", "sgd"] and table["Status"].tolist() == ["ok", "ok"]
+
+
+def test_a_presets_rungs_keep_their_order_in_the_setting_table(tmp_path):
+    """leanest (cumulative: false) lists its host-memory rung last; sorted by how many changes each
+    row makes it came second. README: the report lists rows in rung order."""
+    runs = _sweep(tmp_path / "runs", "lean", ["experiment=leanest"])
+    _run(runs, "r0", rung=0)
+    _run(runs, "r1", rung=1, checkpoint="block", optimizer="sgd", peak=50.0)
+    _run(runs, "r2", rung=2, checkpoint="block", optimizer="sgd", precision="bf16", peak=40.0)
+    _run(runs, "r3", rung=3, offload="params", peak=30.0)
+    md = _report(tmp_path)
+    assert _firsts(md, "Setting") == ["Baseline (batch size = 8)", "+ SGD + Block recompute",
+                                      "+ SGD + bf16 AMP + Block recompute", "+ Parameter offload"]
