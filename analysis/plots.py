@@ -327,4 +327,4 @@ def plot_jobs(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Se
     per_family = [functools.partial(plot, part, part_labels, out, bases, title)
                   for plot in (breakdown, batch_scan) for title, part, part_labels in families(df, labels)]
     return [*pareto_jobs(df, labels, out, bases), *per_family, functools.partial(loss_curves, df, labels, out),
-            functools.partial(module_breakdown, df, labels, out)]
+            functools.partial(module_breakdown, df, labels, out, bases)]

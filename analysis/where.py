@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.figure import on_device, plt, run_label, save
+from analysis.figure import on_device, plt, run_label, save, setting_names
 
 TOP = 10  # modules per run
-MAX_RUNS = 6  # panels: the first runs in the report's order
+MAX_RUNS = 8  # panels: the first runs in the report's order (a seven-rung ladder whole)
 SNAPSHOT_NOTE = ("A snapshot opens in https://pytorch.org/memory_viz: drag the .pickle file onto the page "
                  "(it is read in the browser, nothing is uploaded).")
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")  # memory_by_module.csv's at_peak_<c>_mib
@@ -85,12 +85,13 @@ def _first_tables(df: pd.DataFrame, n: int) -> tuple[list, int]:
     return runs, len(runs)
 
 
-def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | None:
+def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> Path | None:
     """Per run (the first MAX_RUNS with a memory_by_module.csv), horizontal stacked bars of the TOP
     modules by their own share of the traced step's peak, coloured by category. Every module
     counts, parents by what they allocated outside their submodules ("own ops"; the root's is the
     loss and the optimizer step), so the bars never count a byte twice and answer "which layer
-    holds the memory" at any depth."""
+    holds the memory" at any depth. Each panel is named as the setting table names its run (`bases`:
+    each row's baseline, as in setting_names)."""
     from analysis.plots import COMPONENTS  # the breakdown plot's colours and names (plots imports this module)
 
     if "artifact_memory_by_module" not in df:
@@ -98,6 +99,7 @@ def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Pa
     shown, with_table = _first_tables(df, MAX_RUNS)
     if not shown:
         return None
+    names = setting_names(df, labels, bases)
     cols = 1 if len(shown) == 1 else 2
     grid = (len(shown) + cols - 1) // cols
     fig, axes = plt.subplots(grid, cols, figsize=(7.5 * cols, 4.2 * grid), squeeze=False)
@@ -118,7 +120,7 @@ def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path) -> Pa
         ax.set_xlim(0, left.max() * 1.18 if left.max() > 0 else 1)
         status = "" if row.get("status") == "ok" else f" [{row.get('status')}]"
         share = f"{left.sum() / peak:.0%} of the peak" if peak > 0 else ""
-        ax.set_title(f"{run_label(row, labels)}{status}: peak {peak:,.1f} MiB, top {len(bars)} hold {share}",
+        ax.set_title(f"{names[row.name]}{status}: peak {peak:,.1f} MiB, top {len(bars)} hold {share}",
                      fontsize=9)
         ax.set_xlabel("own share of the traced step's peak (MiB)", fontsize=8)
         ax.grid(axis="x", alpha=0.3)

@@ -80,6 +80,22 @@ def test_the_report_draws_the_modules_and_lists_no_snapshot_on_cpu(point, tmp_pa
     assert "memory_viz" not in (tmp_path / "report.html").read_text()  # nothing to open there
 
 
+def test_each_panel_is_named_as_the_setting_table_names_its_run(point, tmp_path, monkeypatch):
+    """Panel titles were bare values ("adamw / none / none / single / 32"), unlike every other plot."""
+    import matplotlib.axes
+
+    from analysis.compare import varied
+    from analysis.load import load
+    from analysis.where import module_breakdown
+
+    _, run_dir = point
+    titles, set_title = [], matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, t, *a, **k: titles.append(t) or set_title(ax, t, *a, **k))
+    df = load([run_dir])
+    assert module_breakdown(df, varied(df), tmp_path) is not None
+    assert len(titles) == 1 and titles[0].startswith("Baseline (batch size = 4): peak "), titles
+
+
 def test_a_row_naming_a_snapshot_is_linked_with_how_to_open_it(tmp_path):
     """Rendering only: a result that names snapshots (as a CUDA run's does) gets links in both pages."""
     named = {"memory_by_module": None, "memory_snapshot": "memory_snapshot.pickle", "oom_snapshot": None}
