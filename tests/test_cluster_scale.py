@@ -97,7 +97,7 @@ def png_size(path: Path) -> tuple[int, int]:
 def check_report(sweep: dict, grid: dict, out: Path) -> None:
     """report.md counts every point by status, holds a setting table per model with its runs, the
     batch tables of every combination, every run in "All runs" and every snapshot; runs.csv has a
-    row per point; one Pareto plot per model; no figure past MAX_PX."""
+    row per point; one Pareto plot, breakdown and batch scan per model; no figure past MAX_PX."""
     outcomes = [o.status for o, _ in sweep["outcomes"]]
     counts, n = Counter(outcomes), len(outcomes)
     text = (out / "report.md").read_text()
@@ -112,8 +112,8 @@ def check_report(sweep: dict, grid: dict, out: Path) -> None:
     assert rows["Memory snapshots"] == counts["ok"] + counts["oom"]  # one per run that reached a GPU's step
     assert len((out / "runs.csv").read_text().splitlines()) == n + 1
     pngs = {p.name: png_size(p) for p in out.glob("*.png")}
-    assert {"pareto-gpt2.png", "pareto-gpt2-medium.png", "breakdown.png", "batch_scan.png", "loss_curves.png",
-            "memory_by_module.png"} == set(pngs)
+    assert {*(f"{plot}-{m}.png" for plot in ("pareto", "breakdown", "batch_scan") for m in grid["model"]),
+            "loss_curves.png", "memory_by_module.png"} == set(pngs)  # one of each of the first three per model
     assert max(max(size) for size in pngs.values()) < MAX_PX, pngs
 
 
