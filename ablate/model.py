@@ -126,9 +126,12 @@ class GPT(nn.Module):
         Separate from __init__ so a model built on the meta device can be initialised after
         `to_empty(device=...)`, directly on the target device.
         """
+        tokens = self.transformer.wte.weight
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                # the token rows only (pad_vocab_to): the same random draws as the unpadded model's
+                w = module.weight[:self.config.vocab_size] if module.weight is tokens else module.weight
+                nn.init.normal_(w, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
@@ -138,7 +141,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
-        nn.init.zeros_(self.transformer.wte.weight[self.config.vocab_size:])  # padding: no token's row
+        nn.init.zeros_(tokens[self.config.vocab_size:])  # padding: no token's row
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once (the tied lm_head is wte). non_embedding drops wpe (PaLM FLOPs)."""

@@ -68,14 +68,22 @@ def test_a_padded_vocabulary_trains_as_the_unpadded_one():
     the chunked loss); the padding's gradient is zero, so it stays zero under any optimizer."""
     from ablate.techniques.loss import Chunked
 
-    torch.manual_seed(0)
-    plain = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
-    padded = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16, pad_vocab_to=64))
+    def built(cfg: GPTConfig) -> GPT:  # as every point builds it (precision.materialize): on meta, then initialised once
+        with on_meta():
+            model = GPT(cfg)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        torch.manual_seed(0)
+        model.reset_parameters()
+        return model
+
+    plain = built(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
+    padded = built(GPTConfig(2, 2, 32, vocab_size=100, block_size=16, pad_vocab_to=64))
     assert padded.transformer.wte.weight.shape == (128, 32) and padded.lm_head.weight is padded.transformer.wte.weight
     assert padded.transformer.wte.weight[100:].abs().sum() == 0  # initialised zero, no token's row
-    with torch.no_grad():
-        for name, p in padded.named_parameters():
-            p[:100].copy_(plain.get_parameter(name)) if name == "transformer.wte.weight" else p.copy_(plain.get_parameter(name))
+    # one seed, one model: the token rows and every other weight draw what the unpadded model's do
+    for name, p in padded.named_parameters():
+        assert torch.equal(p[:100] if name == "transformer.wte.weight" else p, plain.get_parameter(name)), name
     x, y = torch.randint(0, 100, (2, 3, 16))
     for loss_fn in (None, Chunked(5)):
         plain.loss_fn = padded.loss_fn = loss_fn
