@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.figure import (DPI, card, changed, family_file, is_status, num, on_device, plt, save, setting_names, skipped,
-                             table_order, wrap)
+from analysis.figure import (DPI, card, changed, family_file, is_status, num, on_device, plt, save, setting_names,
+                             skipped, table_order, wrap)
 from analysis.place import box, numbered, place
 
 MEMORY = "peak_allocated_mib"

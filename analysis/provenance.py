@@ -37,7 +37,8 @@ def about(df: pd.DataFrame) -> list[tuple[str, str]]:
     """(name, value) lines: device, torch, commit, date, command(s). A run that never reached a
     worker (invalid, predicted) names no device or torch, so those come from the runs that did."""
     ran = df[df["env_torch"].notna()] if "env_torch" in df else df.iloc[0:0]
-    plan = any(r.get("status") == "predicted" or predicted_oom(r) for r in df.to_dict("records"))  # nothing ran by design
+    # a plan: nothing ran, by design (predict_only), as opposed to rows that all failed
+    plan = any(r.get("status") == "predicted" or predicted_oom(r) for r in df.to_dict("records"))
     device = (("none ran (a plan: predicted, not measured)" if plan else "none ran") if ran.empty
               else _counted(ran["env_gpu_name"].where(ran["env_gpu_name"].notna(), "CPU")))
     commits = [c[:7] + ("+dirty" if c.endswith("+dirty") else "") for c in _distinct(df.get("env_git_sha", []))]

@@ -85,7 +85,8 @@ def _first_tables(df: pd.DataFrame, n: int) -> tuple[list, int]:
     return runs, len(runs)
 
 
-def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> Path | None:
+def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path,
+                     bases: pd.Series | None = None) -> Path | None:
     """Per run (the first MAX_RUNS with a memory_by_module.csv), horizontal stacked bars of the TOP
     modules by their own share of the traced step's peak, coloured by category. Every module
     counts, parents by what they allocated outside their submodules ("own ops"; the root's is the

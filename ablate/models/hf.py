@@ -8,7 +8,8 @@ The model comes in as transformers writes it; `CausalLM` only puts it behind abl
 transformers names in `_no_split_modules` (the unit it never splits across devices), its
 attention and MLP the layer's children of those kinds, the LM head and the token embedding what
 `get_output_embeddings` / `get_input_embeddings` return. transformers is an optional extra
-(`pip install -e '.[hf]'` in ablate's repository; PyPI's `ablate` is another project): without it such a point is an `invalid` row saying so.
+(`pip install -e '.[hf]'` in ablate's repository; PyPI's `ablate` is another project): without
+it such a point is an `invalid` row saying so.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise Invalid(f"this model needs Hugging Face transformers ({e}): pip install -e '.[hf]' in ablate's repository") from None
+        raise Invalid(f"this model needs Hugging Face transformers ({e}): "
+                      f"pip install -e '.[hf]' in ablate's repository") from None
     transformers.logging.set_verbosity_error()  # its warnings about unused generation keys are noise here
     return transformers
 
