@@ -144,14 +144,16 @@ def test_predict_rejects_an_unknown_method():
 
 
 
-@pytest.mark.parametrize("vocab, per_logit", [(50257, 4), (50304, 6)])
-def test_a_compiled_cuda_step_drops_the_eager_losss_fp32_tensors(vocab, per_logit):
+@pytest.mark.parametrize("vocab, per_logit, pad", [(50257, 4, 1), (50304, 6, 1), (50257, 6, 64)])
+def test_a_compiled_cuda_step_drops_the_eager_losss_fp32_tensors(vocab, per_logit, pad):
     """compile=true on CUDA: the fused loss keeps no fp32 copy or log-softmax. Against the eager
     step, the peak (in the loss's backward) drops by 4 bytes per logit in bf16 where inductor pads
     the misaligned vocabulary for the head's matmuls, by 6 where it need not; the H200's gpt2 rows
-    check the first (tests/test_predict_records.py). On a CPU, whose rows report the eagerly
-    traced step, compile changes nothing."""
-    base = ["model=gpt2", f"model.vocab_size={vocab}", "precision=bf16", "batch_size=8", "seq_len=1024"]
+    check the first (tests/test_predict_records.py). A head padded to 50,304 rows (pad_vocab_to=64)
+    is aligned: no pad_mm copy, as the padded vocabulary (inferred from inductor's CPU code for the
+    sliced loss). On a CPU, whose rows report the eagerly traced step, compile changes nothing."""
+    base = ["model=gpt2", f"model.vocab_size={vocab}", f"model.pad_vocab_to={pad}", "precision=bf16", "batch_size=8",
+            "seq_len=1024"]
     logits = 8 * 1024 * vocab
     for device, drop in (("cuda", per_logit * logits), ("cpu", 0)):
         eager, compiled = (analytic(compose_spec([*base, f"device={device}", f"compile={c}"])).peak_mib

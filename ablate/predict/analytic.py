@@ -295,9 +295,9 @@ def analytic(spec: RunSpec) -> Prediction:
     # The compiled loss on CUDA only: on a CPU the peak a row reports is the traced step's, which
     # runs eagerly (MemTracker cannot follow compiled code), so the eager step is what it measures.
     z.compiled = spec.compile and device == "cuda"
-    # inductor's pad_mm aligns a matmul's dims to 8 elements in 16-bit and 4 in fp32 (GPUs only);
-    # a padded head's loss slices its logits, and that slice's gradient is padded back likewise
-    z.pad_head = z.compiled and (sh.vocab % (8 if z.c == 2 else 4) != 0 or sh.padded_vocab != sh.vocab)
+    # inductor's pad_mm aligns a matmul's dims to 8 elements in 16-bit and 4 in fp32 (GPUs only): the
+    # head's rows, which model.pad_vocab_to=64 aligns already
+    z.pad_head = z.compiled and sh.padded_vocab % (8 if z.c == 2 else 4) != 0
     tl = Step(sh, z).play(spec.batch_size * spec.seq_len)
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
                       category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",

@@ -92,8 +92,10 @@ class LossPlay:
         head's matmuls by inductor's pad_mm, which aligns a matmul's dims on GPUs (to 8 elements
         in 16-bit, 4 in fp32) and 50,257 is not aligned. The vocabulary padded to 50,304 is the
         check: the next GPU run's compiled snapshot (benchmarks/results/NVIDIA-H200/README.md).
-        A padded head (model.pad_vocab_to) is taken to hold the same fourth, as wide as its rows:
-        its loss slices the logits, and the slice's gradient is made whole for the matmuls."""
+        A head padded to aligned rows (model.pad_vocab_to=64) needs no pad_mm: inductor's code for
+        its sliced loss on a CPU writes the logits' gradient over the kept padded logits' buffer,
+        and feeds that to the matmuls. So it is taken to hold the three, the kept logits as wide as
+        the head's rows; not yet seen on a GPU."""
         tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
         kept = (q + self.padding()) * c  # the head's logits, as forward kept them
         padded = kept if z.pad_head else 0  # d logits padded for the matmuls (pad_mm's, or the sliced loss's)
