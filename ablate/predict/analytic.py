@@ -85,7 +85,7 @@ class Shapes:
     @property
     def padded_vocab(self) -> int:
         """The head's rows: the width of the logits it makes, before the loss slices off padding."""
-        return self.arch.padded_vocab
+        return self.arch.head_rows
 
     @property
     def sbh(self) -> int:

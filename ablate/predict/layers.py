@@ -40,11 +40,7 @@ class Arch:
     inter: int  # MLP hidden width (4h in GPT-2; SwiGLU's gate and up width in Llama)
     vocab: int
     tied: bool  # the LM head is the token embedding
-    head_rows: int = 0  # the LM head's rows (GPT-2's pad_vocab_to pads them); 0: vocab
-
-    @property
-    def padded_vocab(self) -> int:
-        return self.head_rows or self.vocab
+    head_rows: int  # the LM head's rows: vocab, or more where GPT-2's pad_vocab_to pads them
 
 
 def arch_of(family) -> Arch:
@@ -62,7 +58,7 @@ def arch_of(family) -> Arch:
         return Arch("llama" if kind in LLAMA_LIKE else "neox", hf.num_hidden_layers, hf.hidden_size, heads,
                     getattr(hf, "num_key_value_heads", None) or heads,
                     getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size,
-                    tied=bool(hf.tie_word_embeddings))
+                    tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size)
     raise Unmodelled(f"no analytic memory model for model_type={kind or type(family).__name__}")
 
 
