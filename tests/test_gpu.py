@@ -187,13 +187,14 @@ def test_a_cuda_point_leaves_an_allocator_snapshot_of_its_traced_step(tmp_path):
 
 
 def test_a_cuda_oom_leaves_a_snapshot_of_the_allocator_at_the_oom(tmp_path):
-    """A real OOM on an emulated 1 GiB card (512 MiB usable): gpt2's 475 MiB of fp32 weights fit,
-    their gradients do not, in the first warm-up step. The snapshot is the allocator's state at
-    the OOM: its blocks, the weights among them. It has no timeline: the history records the traced
-    step alone (the last warm-up step), and this OOM comes in the first (asking for an "oom" event
-    in the timeline failed this test on the H200, 2026-11-26; warmup_steps=1 is invalid)."""
+    """A real OOM on an emulated 1 GiB card (512 MiB usable by the allocator): gpt2's 475 MiB of
+    fp32 weights and the step after them do not fit (on the H200, 2026-11-26, the OOM came while
+    the weights were built, 466 MiB in). The snapshot is the allocator's state at the OOM, its
+    blocks nearly filling the cap. It has no timeline: the history records the traced step alone.
+    A single run that ends oom exits 1 (`ablate/__main__.py`); the H200 failed the two asserts
+    this test had before, an "oom" event in the timeline and exit status 0."""
     proc = run_cli(["model=gpt2", "gpu_memory_gib=1", "device=cuda"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1 and "[    oom]" in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
     (path,) = tmp_path.rglob("result.json")
     (r,) = results_under(tmp_path)
     assert r["status"] == "oom", (r["status"], r["reason"])
@@ -201,9 +202,9 @@ def test_a_cuda_oom_leaves_a_snapshot_of_the_allocator_at_the_oom(tmp_path):
     snap = _snapshot(path.parent / "oom_snapshot.pickle")
     assert "segments" in snap and "device_traces" in snap
     held = sum(b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
-    assert held >= 124_439_808 * 4  # taken at the OOM: the weights at least were still allocated
     reserved = sum(seg["total_size"] for seg in snap["segments"])
-    assert reserved <= 1024 * 2**20  # within the emulated card: the cap held when the OOM came
+    # taken at the OOM, not after it unwound: the blocks still fill most of the 512 MiB, within it
+    assert 400 * 2**20 <= held <= reserved <= 512 * 2**20, (held, reserved)
 
 
 def test_fp8_trains_gpt2_as_bf16_does_and_is_predicted(tmp_path):
