@@ -3,6 +3,8 @@ reference option, the families of runs that compare, and the baseline row every 
 against (one per family)."""
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from ablate.schema import GROUPS, option_defaults
@@ -123,17 +125,34 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     return score.sort_values(["refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
 
 
+def spelled(value) -> str:
+    """A value as a command line writes it, so `--baseline gpu_memory_gib=null` and `=8` find the
+    runs whose column holds NaN and 8.0 (a numeric column with a null in it is float, and pandas 3's
+    astype(str) keeps NaN): null, true/false, integral numbers without ".0"."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "null"
+    text = str(value)
+    if text.lower() in ("true", "false", "null"):
+        return text.lower()
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return str(int(number)) if number.is_integer() else text
+
+
 def _matching(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]) -> pd.DataFrame:
-    """The runs with every `--baseline` key=value (values compared as text); a ValueError naming
-    the key and what the runs have otherwise."""
+    """The runs with every `--baseline` key=value (values compared as a command line spells them);
+    a ValueError naming the key and what the runs have otherwise."""
     match, given = df, []
     for key, value in baseline.items():
         if key not in df:
             raise ValueError(f"--baseline {key}={value}: no run has a column {key!r}; the columns that vary "
                              f"here are {', '.join(labels)}")
-        narrowed = match[match[key].astype(str) == str(value)]
+        cells = match[key].map(spelled)
+        narrowed = match[cells == spelled(value)]
         if narrowed.empty:
-            present = sorted(set(match[key].astype(str)))
+            present = sorted(set(cells))
             where = f" among the runs with {', '.join(given)}" if given else ""
             raise ValueError(f"--baseline {key}={value}: no run matches; {key} is one of "
                              f"{', '.join(present)}{where}")

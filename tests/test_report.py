@@ -198,6 +198,22 @@ def test_baseline_option_narrows_the_runs_and_the_usual_rule_picks_among_them(tm
     assert "no run has a column 'optimiser'; the columns that vary here are checkpoint, parallel" in \
         capsys.readouterr().err
 
+def test_baseline_values_match_as_the_command_line_spells_them(tmp_path):
+    """`gpu_memory_gib=8,null` loads as a float column (8.0, NaN): `--baseline gpu_memory_gib=null`
+    and `=8` find those runs (on the H200's gpt2-xl runs, 2026-11-26, null crashed the report with a
+    TypeError sorting NaN among text, and 8 matched nothing), and a miss lists the values as typed."""
+    _write(tmp_path, "capped", status="oom", reason="CUDA out of memory", config={"gpu_memory_gib": 8})
+    _write(tmp_path, "whole", peak=9000, latency=10.0, config={"gpu_memory_gib": None})
+    _write(tmp_path, "lean", peak=6000, latency=4.0, optimizer="sgd", config={"gpu_memory_gib": 8, "compile": True})
+    df = load([tmp_path])
+    assert list(df.loc[compare._matching(df, [], {"gpu_memory_gib": "null"}).index, "run_id"]) == ["whole"]
+    assert sorted(df.loc[compare._matching(df, [], {"gpu_memory_gib": "8"}).index, "run_id"]) == ["capped", "lean"]
+    assert list(df.loc[compare._matching(df, [], {"compile": "true"}).index, "run_id"]) == ["lean"]
+    with pytest.raises(ValueError, match="gpu_memory_gib is one of 8, null$"):
+        compare._matching(df, [], {"gpu_memory_gib": "6"})
+    assert compare.spelled("none") == "none" and compare.spelled(0.5) == "0.5"  # an option named none stays one
+
+
 def test_the_baseline_is_the_run_most_at_reference_then_an_ok_one(tmp_path):
     def base(*labels):
         df = load([tmp_path]).sort_values(list(labels)).reset_index(drop=True)
