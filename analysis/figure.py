@@ -42,9 +42,10 @@ def skipped(df: pd.DataFrame) -> pd.Series:
 
 
 def fmt(value) -> str:
+    """A label's value: null where the run left the key unset (gpu_memory_gib=null), as typed."""
     if isinstance(value, float):
-        return "?" if math.isnan(value) else f"{value:g}"
-    return "?" if value is None else str(value)
+        return "null" if math.isnan(value) else f"{value:g}"
+    return "null" if value is None else str(value)
 
 
 def run_label(row: pd.Series, labels: list[str]) -> str:
