@@ -46,10 +46,14 @@ def pareto_front(points) -> list[int]:
     return sorted(front, key=lambda i: pts[i])
 
 
-def _capacity(df: pd.DataFrame, peaks: pd.Series) -> float:
-    """Where an OOM sits on the memory axis: the card's memory (MiB) when known, else just past the data."""
-    known = card(df)
-    return known[0] if known else 1.05 * float(peaks.max())
+def _capacity(df: pd.DataFrame, oom: pd.DataFrame, peaks: pd.Series) -> tuple[float, str]:
+    """Where the OOMs sit on the memory axis (MiB) and the legend's words for it: the card they ran
+    out of (`gpu_memory_gib=8,null`: the 8 GiB card, not the whole GPU the other runs had), else
+    the rows' one card, else just past the data, saying the card is unknown."""
+    known = card(oom) or card(df)
+    if known:
+        return known[0], f"OOM: {known[1]}"
+    return 1.05 * float(peaks.max()), "OOM (card unknown)"
 
 
 def loss_differs(loss: np.ndarray) -> bool:
@@ -82,15 +86,15 @@ def _oom(ax, df: pd.DataFrame, ok: pd.DataFrame, oom: pd.DataFrame) -> tuple[flo
     """The capacity line and a red x per OOM at its height; returns where the x is (data), or None."""
     if oom.empty:
         return None
-    cap, y = _capacity(df, ok[MEMORY]), float(ok["iter_time_ms"].median())
-    ax.axvline(cap, color="red", ls="--", lw=1, label=f"OOM (capacity {cap:,.0f} MiB)")
+    (cap, text), y = _capacity(df, oom, ok[MEMORY]), float(ok["iter_time_ms"].median())
+    ax.axvline(cap, color="red", ls="--", lw=1, label=text)
     ax.scatter([cap], [y], marker="x", color="red", s=CROSS ** 2 * 4, zorder=4)
     if cap > 4 * ok[MEMORY].max() and ok[MEMORY].min() > 0:
         # a whole GPU next to small runs would squash them against the y-axis
         ax.set_xscale("log")
         ax.set_xlim(ok[MEMORY].min() / 1.5, cap * 1.5)
-    else:
-        ax.set_xlim(0, cap * 1.05)
+    else:  # a small card's OOMs beside an uncapped baseline: the axis still reaches the baseline
+        ax.set_xlim(0, max(cap, float(ok[MEMORY].max())) * 1.05)
     return cap, y
 
 

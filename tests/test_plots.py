@@ -148,7 +148,15 @@ def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_sever
     assert figure.card(h100.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
     assert figure.card(h100.assign(gpu_memory_gib=[16.0, 24.0] * 3)) is None  # two cards: no one line
     # the pareto plot's OOM line on an emulated card sits at that card, not at the whole H100
-    assert pareto._capacity(h100.assign(gpu_memory_gib=0.5), runs["peak_allocated_mib"]) == 512.0
+    peaks = runs["peak_allocated_mib"]
+    half = h100.assign(gpu_memory_gib=0.5)
+    assert pareto._capacity(half, half, peaks) == (512.0, "OOM: 0.5 GiB card (emulated)")
+    # gpu_memory_gib=8,null: the OOMs came on the 8 GiB card, the other runs had the whole GPU (on
+    # the H200, 2026-11-26, the line sat just past the uncapped baseline, labelled as a capacity)
+    mixed = h100.assign(gpu_memory_gib=[8.0, NAN] * 3)
+    assert figure.card(mixed) is None
+    assert pareto._capacity(mixed, mixed.iloc[::2], peaks) == (8192.0, "OOM: 8 GiB card (emulated)")
+    assert pareto._capacity(runs, runs, peaks) == (1.05 * peaks.max(), "OOM (card unknown)")  # CPU rows
 
 
 def test_the_batch_scan_draws_the_card_it_was_judged_against(runs, tmp_path, monkeypatch):
