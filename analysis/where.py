@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.figure import on_device, plt, run_label, save, setting_names
+from analysis.figure import on_device, plt, run_label, save, setting_names, wrap
 
 TOP = 10  # modules per run
 MAX_RUNS = 8  # panels: the first runs in the report's order (a seven-rung ladder whole)
+TITLE_WIDTH = 90  # characters per line of a panel title (9 pt over a 7.5-inch panel)
 SNAPSHOT_NOTE = ("A snapshot opens in https://pytorch.org/memory_viz: drag the .pickle file onto the page "
                  "(it is read in the browser, nothing is uploaded).")
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")  # memory_by_module.csv's at_peak_<c>_mib
@@ -121,7 +122,8 @@ def module_breakdown(df: pd.DataFrame, labels: list[str], out: str | Path,
         ax.set_xlim(0, left.max() * 1.18 if left.max() > 0 else 1)
         status = "" if row.get("status") == "ok" else f" [{row.get('status')}]"
         share = f"{left.sum() / peak:.0%} of the peak" if peak > 0 else ""
-        ax.set_title(f"{names[row.name]}{status}: peak {peak:,.1f} MiB, top {len(bars)} hold {share}",
+        # a leanest combination's name is ~200 characters: wrapped, or two panels' titles overlap
+        ax.set_title(f"{wrap(names[row.name] + status, TITLE_WIDTH)}\npeak {peak:,.1f} MiB, top {len(bars)} hold {share}",
                      fontsize=9)
         ax.set_xlabel("own share of the traced step's peak (MiB)", fontsize=8)
         ax.grid(axis="x", alpha=0.3)

@@ -86,6 +86,7 @@ def test_each_panel_is_named_as_the_setting_table_names_its_run(point, tmp_path,
 
     from analysis.compare import varied
     from analysis.load import load
+    from analysis import where
     from analysis.where import module_breakdown
 
     _, run_dir = point
@@ -93,7 +94,15 @@ def test_each_panel_is_named_as_the_setting_table_names_its_run(point, tmp_path,
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, t, *a, **k: titles.append(t) or set_title(ax, t, *a, **k))
     df = load([run_dir])
     assert module_breakdown(df, varied(df), tmp_path) is not None
-    assert len(titles) == 1 and titles[0].startswith("Baseline (batch size = 4): peak "), titles
+    assert len(titles) == 1 and titles[0].startswith("Baseline (batch size = 4)\npeak "), titles
+    # gpt2-xl's leanest combination on the H200 (2026-11-26): a one-line title ran into its neighbour's
+    long = ("+ 8-bit AdamW + Pure bf16 + Block recompute + Activation offload + Chunked cross-entropy "
+            "+ 8 GiB card (emulated) + Optimizer step in backward")
+    monkeypatch.setattr(where, "setting_names", lambda df, *a: pd.Series(long, index=df.index))
+    titles.clear()
+    assert module_breakdown(df, varied(df), tmp_path) is not None
+    name = titles[0].rsplit("\n", 1)[0]
+    assert name.replace("\n", " ") == long and max(map(len, name.split("\n"))) <= where.TITLE_WIDTH, titles
 
 
 def test_a_row_naming_a_snapshot_is_linked_with_how_to_open_it(tmp_path):
