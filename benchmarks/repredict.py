@@ -31,12 +31,12 @@ from analysis.load import LEGACY  # noqa: E402
 
 # compile: on CUDA the model plays the compiled loss, and the key tells a compiled row from its
 # eager twin in the table.
-RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device", "compile")
+RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device", "compile", "gpu_memory_gib")
 
 
-def overrides(preset: str, row: pd.Series) -> list[str]:
+def overrides(preset: str | None, row: pd.Series) -> list[str]:
     """The command line that composes `row`'s config again."""
-    out = [f"experiment={preset}"]
+    out = [f"experiment={preset}"] if preset else []
     for group in GROUPS:
         option = row[group] if group in row and _set(row[group]) else LEGACY[group]  # a group newer than the record
         out.append(f"{group}={option}")
@@ -66,9 +66,19 @@ def _plain(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+def preset_of(runs_csv: Path, df: pd.DataFrame) -> str | None:
+    """The experiment the runs came from: the folder's name where it is a preset, else the one the
+    runs' command named (gpt2_throughput_padded/ ran experiment=gpt2_throughput ...), else None: a
+    plain command line (gpt2_xl_8gib/), composed from the defaults."""
+    if (CONF / "experiment" / f"{runs_csv.parent.name}.yaml").exists():
+        return runs_csv.parent.name
+    named = df["command"].dropna().str.extract(r"experiment=(\S+)")[0].dropna().unique() if "command" in df else []
+    return named[0] if len(named) == 1 else None
+
+
 def repredict(runs_csv: Path) -> pd.DataFrame:
-    preset = runs_csv.parent.name
     df = pd.read_csv(runs_csv)
+    preset = preset_of(runs_csv, df)
     rows = []
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -77,7 +87,7 @@ def repredict(runs_csv: Path) -> pd.DataFrame:
             cfg = OmegaConf.to_container(compose(config_name="config", overrides=line), resolve=True, enum_to_str=True)
             now = analytic(RunSpec.of(cfg)).peak_mib
             measured, then = row["peak_allocated_mib"], row["predicted_peak_mib"]
-            rows.append({"Setting": " ".join(line[1:]), "Measured (MiB)": measured,
+            rows.append({"Setting": " ".join(line[1:] if preset else line), "Measured (MiB)": measured,
                          "Recorded prediction (MiB)": then, "Recorded error": f"{100 * (then / measured - 1):+.1f}%",
                          "Prediction now (MiB)": now, "Error now": f"{100 * (now / measured - 1):+.1f}%"})
     return pd.DataFrame(rows)
