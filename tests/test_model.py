@@ -44,6 +44,40 @@ def test_a_model_on_meta_has_the_real_shapes_and_skips_the_initialisers():
     assert out.stdout.strip() == "False"
 
 
+def test_init_draws_each_weight_once_with_gpt2s_stds_and_the_same_values_on_any_number_of_threads(monkeypatch):
+    """The weights are drawn on torch's threads at once (one normal_ runs on one core: gpt2-xl's
+    build took 12-16 s of a point on an H200 host), so their values must not depend on the
+    threads or the order the draws finish in; the residual projections were drawn twice before."""
+    cfg = GPTConfig(4, 2, 256, vocab_size=1000, block_size=64)
+
+    def built(threads: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(seed)
+            return {n: p.detach().clone() for n, p in GPT(cfg).named_parameters()}
+        finally:
+            torch.set_num_threads(before)
+
+    one, two = built(1), built(2)
+    assert all(torch.equal(one[n], two[n]) for n in one)
+    assert not torch.equal(built(2, seed=1)["transformer.wte.weight"], one["transformer.wte.weight"])
+    for name, w in one.items():
+        if name.endswith("c_proj.weight"):
+            assert w.std().item() == pytest.approx(0.02 / math.sqrt(2 * cfg.n_layer), rel=0.05), name
+        elif name.endswith(("c_attn.weight", "c_fc.weight", "wte.weight", "wpe.weight")):
+            assert w.std().item() == pytest.approx(0.02, rel=0.05), name
+    calls = []
+    normal_ = torch.Tensor.normal_
+    monkeypatch.setattr(torch.Tensor, "normal_", lambda w, *a, **k: calls.append(w.shape) or normal_(w, *a, **k))
+    with on_meta():  # as every point builds (precision.materialize): the layers' own initialisers skipped
+        model = GPT(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.reset_parameters()
+    assert len(calls) == 2 + 4 * cfg.n_layer  # wte (the head is tied to it), wpe, four matrices a layer
+
+
 def test_embeddings_are_tied_and_counted_once():
     model = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
     assert model.lm_head.weight is model.transformer.wte.weight
