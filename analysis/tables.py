@@ -9,7 +9,7 @@ import pandas as pd
 from ablate.schema import GROUPS
 from analysis.cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
                             spread, time_delta, within_noise)
-from analysis.compare import BASELINE, do_nothing, set_away_from_default
+from analysis.compare import BASELINE, do_nothing, set_away_from_default, spelled
 
 NAMES = {
     ("checkpoint", "block"): "Block recompute", ("checkpoint", "every2"): "Recompute every 2nd block",
@@ -219,7 +219,9 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     if not isinstance(bases, pd.Series):
         bases = pd.Series(bases, index=df.index)
     base_loss = df.loc[bases.values, "loss_final"].set_axis(df.index)
-    out = df[labels].fillna("").astype(str)  # an option key the row's option does not have: empty
+    # an option key the row's option does not have: empty; a run key as typed (gpu_memory_gib 8, null)
+    out = pd.DataFrame({c: df[c].map(lambda v: "" if pd.isna(v) else spelled(v)) if "." in c else df[c].map(spelled)
+                        for c in labels}, index=df.index)
     if "max_batch_size" in df and df["max_batch_size"].notna().any():  # find_batch's answer, which
         # is also the micro-batch the row's metrics are of
         out["Max micro-batch"] = [num(v, ".0f") for v in df["max_batch_size"]]

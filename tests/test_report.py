@@ -214,6 +214,9 @@ def test_baseline_values_match_as_the_command_line_spells_them(tmp_path):
     assert compare.spelled("none") == "none" and compare.spelled(0.5) == "0.5"  # an option named none stays one
     labels = {r["run_id"]: figure.run_label(r, ["gpu_memory_gib"]) for _, r in df.iterrows()}
     assert labels == {"capped": "8", "whole": "null", "lean": "8"}  # a plot's or snapshot table's run name
+    full = tables.full(df, ["gpu_memory_gib", "compile"], 0).set_axis(df["run_id"])
+    assert full.loc[["capped", "whole", "lean"], "gpu_memory_gib"].tolist() == ["8", "null", "8"]  # not 8.0 and ""
+    assert full.loc["lean", "compile"] == "true"
 
 
 def test_the_baseline_is_the_run_most_at_reference_then_an_ok_one(tmp_path):
