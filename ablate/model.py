@@ -162,8 +162,7 @@ class GPT(nn.Module):
         tokens = self.transformer.wte.weight
         draws = []
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight is not tokens \
-                    and not (module is self.lm_head and self.lm_head.weight is tokens):  # tied: wte's
+            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight is not tokens:  # the head: tied
                 residual = name.endswith("c_proj")
                 draws.append((module.weight, 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02))
             if isinstance(module, nn.Linear) and module.bias is not None:
