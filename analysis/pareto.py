@@ -122,11 +122,18 @@ def _key(names: list[str], oom_names: list[str], unlisted: int = 0) -> list[tupl
     return key + [(cross, wrap(n, KEY_WIDTH) + " (OOM)") for n in oom_names]
 
 
+def _item(name: str, bullet: bool) -> str:
+    """One OOM's name under the red x. Among several, each starts with a bullet and its later lines
+    are indented: a setting name's lines each start with "+ ", so two names ran together."""
+    lines = wrap(name, 32).split("\n")
+    return "\n".join(("• " if i == 0 else "  ") + line for i, line in enumerate(lines)) if bullet else "\n".join(lines)
+
+
 def _name_beside(ax, pts, names, radii, oom_at, oom_names) -> bool:
     """Each name beside its point, the OOMs' beside the red x; False (nothing drawn) where one finds no room."""
     oom_anns: list = []
     if oom_at is not None:
-        text = "OOM:\n" + "\n".join(wrap(n, 32) for n in oom_names)
+        text = "OOM:\n" + "\n".join(_item(n, len(oom_names) > 1) for n in oom_names)
         oom_anns, failed = place(ax, [oom_at], [text], [CROSS], over_markers=False, fontsize=FONT, color="red")
         if failed is not None:
             return False

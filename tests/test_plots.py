@@ -159,6 +159,15 @@ def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_sever
     assert pareto._capacity(runs, runs, peaks) == (1.05 * peaks.max(), "OOM (card unknown)")  # CPU rows
 
 
+def test_several_oom_names_under_the_red_x_stay_apart():
+    """Each setting name's lines start with "+ ", so two OOMs' names ran together (the H200's
+    gpt2-xl page, 2026-11-26): each now starts with a bullet, its later lines indented."""
+    long = "+ 4-bit AdamW + Pure bf16 + Block recompute + Activation offload + Chunked cross-entropy"
+    text = pareto._item(long, bullet=True).split("\n")
+    assert text[0].startswith("• + 4-bit AdamW") and len(text) > 1 and all(t.startswith("  + ") for t in text[1:])
+    assert pareto._item("+ 8 GiB card (emulated)", bullet=False) == "+ 8 GiB card (emulated)"  # one OOM: as named
+
+
 def test_the_batch_scan_draws_the_card_it_was_judged_against(runs, tmp_path, monkeypatch):
     """A plan for a 16 GiB card shows that card's line; a card far above every point (an 80 GB GPU
     behind runs of a few hundred MiB) is left out rather than squash the lines flat."""
