@@ -63,6 +63,8 @@ class Progress:
                       f"  iter {_fmt(m['iter_time_ms'], '.1f', ' ms')}"
                       f"  {_fmt(m['tokens_per_s'], ',.0f', ' tok/s')}  loss {_fmt(m['loss_final'], '.4f')}"
                       + _overhead(result.get("timing") or {}))
+            if m.get("traced_step_oom"):  # the eager traced step ran out of memory; the measured steps fit
+                detail += "  (traced step: OOM, no breakdown)"
         elif result["status"] == "predicted":
             detail = f"predicted peak {_fmt(predicted, ',.1f', ' MiB')}"
             if result["reason"]:  # e.g. what a predicted batch search could not answer

@@ -38,6 +38,7 @@ class Trained:
     init_peak_mib: float | None = None
     compile_s: float | None = None  # wall time of the first step, which compiles the model
     skipped_steps: int | None = None  # optimizer steps the GradScaler skipped (inf/nan gradients)
+    traced_step_oom: bool = False  # the traced warm-up step ran out of memory; training went on untraced
 
 
 def load_data(spec: RunSpec, t: Techniques) -> TokenData:
@@ -70,12 +71,13 @@ def rank_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
 
 def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, device: torch.device,
                      mem: measure.DeviceMemory, history: artifacts.AllocatorHistory | None,
-                     out: Path | None) -> tuple[dict | None, float | None, dict]:
+                     out: Path | None) -> tuple[dict | None, float | None, dict, bool]:
     """The last warm-up step (untimed) is the one looked into: traced by MemTracker for the
     breakdown and memory_by_module.csv where the parallel option allows it, and on CUDA recorded
     by the allocator for memory_snapshot.pickle (unless `history` is None: a compiled step before
     it was recorded). The files go to `out` (rank 0's run directory; None: nowhere). Returns
-    (breakdown, traced peak MiB, the allocator's peaks before the step)."""
+    (breakdown, traced peak MiB, the allocator's peaks before the step, whether the traced step ran
+    out of memory); breakdown and peak are None where the step was not traced or ran out (below)."""
     record = history is not None
     if record:
         history.start()  # this step alone: recording slows every allocation down
@@ -83,17 +85,31 @@ def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, dev
         step()
         if record:
             history.stop(out)
-        return None, None, {}
+        return None, None, {}, False
     # The allocator's peaks leave the traced step out: they measure training, not the tracer's
     # dispatch mode. Earlier warm-up steps count (the first allocates the optimizer state).
     warm_peaks = mem.peaks()
-    trace = measure.traced_step(step, model, optimizer, device)
+    try:
+        trace = measure.traced_step(step, model, optimizer, device)
+    except torch.OutOfMemoryError:
+        # The traced step runs eagerly under MemTracker's dispatch mode: under compile=true, or with
+        # torchao's compiled optimizer step, it can hold more than the steps it looks into (the
+        # H200's 4-bit gpt2-xl point on 8 GiB, 2026-11-26). Its OOM is the tracer's, not
+        # training's: the point goes on untraced, and its measured steps decide ok or oom. What the
+        # step left (gradients, or some of them under optimizer.in_backward) goes first.
+        optimizer.zero_grad(set_to_none=True)
+        if record:
+            history.stop(out)  # memory_snapshot.pickle: the traced step up to its OOM
+        if out is not None:
+            artifacts.dump_oom_snapshot(out)
+        mem.reset()
+        return None, None, warm_peaks, True
     if record:
         history.stop(out)
     mem.reset()
     if out is not None:
         artifacts.write_module_csv(artifacts.module_rows(trace, model), out)
-    return trace.at_peak, trace.peak_mib, warm_peaks
+    return trace.at_peak, trace.peak_mib, warm_peaks, False
 
 
 def snapshot_compiled_step(spec: RunSpec) -> int | None:
@@ -147,10 +163,10 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
             first_step_s = measure.seconds_since(start, device)
         if compiled == k:
             history.stop(out)
-    breakdown, traced_peak, warm_peaks = None, None, {}
+    breakdown, traced_peak, warm_peaks, trace_oom = None, None, {}, False
     if warmup >= 1:
         events.emit("phase", phase="trace")
-        breakdown, traced_peak, warm_peaks = last_warmup_step(
+        breakdown, traced_peak, warm_peaks, trace_oom = last_warmup_step(
             lambda: losses.append(step(warmup - 1)), model, optimizer, t, device, mem,
             None if compiled is not None else history, out)
     events.emit("phase", phase="measure")
@@ -171,7 +187,8 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
     return model, Trained(steps=steps, times_ms=timer.times_ms(), peaks=peaks, breakdown=breakdown,
                           losses=rank_mean(losses, device), init_peak_mib=init_peak,
                           compile_s=first_step_s if spec.compile else None,
-                          skipped_steps=warmup + steps - taken if taken is not None else None)
+                          skipped_steps=warmup + steps - taken if taken is not None else None,
+                          traced_step_oom=trace_oom)
 
 
 def _max(values: list):
@@ -208,6 +225,7 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         if mfu is not None else None,
         "compile_s": run.compile_s,
         "skipped_steps": run.skipped_steps,
+        "traced_step_oom": run.traced_step_oom,  # true: no breakdown, the tracer's OOM, not training's
         "loss_first": run.losses[0] if run.losses else None,
         "loss_final": sum(tail) / len(tail) if tail else None,
         "eval_loss": eval_loss,
