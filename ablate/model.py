@@ -97,7 +97,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-
 def normal_draws(draws: list[tuple[torch.Tensor, float]]) -> None:
     """Fill each (tensor, std) with N(0, std), each from a generator of its own seeded from the
     default generator (so `torch.manual_seed` decides them): the values depend on the seed and each
@@ -125,6 +124,7 @@ def normal_draws(draws: list[tuple[torch.Tensor, float]]) -> None:
     else:
         for i in largest_first:
             draw(i)
+
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):

@@ -97,16 +97,15 @@ def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, dev
         # H200's 4-bit gpt2-xl point on 8 GiB, 2026-11-26). Its OOM is the tracer's, not
         # training's: the point goes on untraced, and its measured steps decide ok or oom. What the
         # step left (gradients, or some of them under optimizer.in_backward) goes first.
+        trace = None
         optimizer.zero_grad(set_to_none=True)
-        if record:
-            history.stop(out)  # memory_snapshot.pickle: the traced step up to its OOM
         if out is not None:
             artifacts.dump_oom_snapshot(out)
-        mem.reset()
-        return None, None, warm_peaks, True
     if record:
-        history.stop(out)
+        history.stop(out)  # memory_snapshot.pickle (after an OOM: the traced step up to it)
     mem.reset()
+    if trace is None:
+        return None, None, warm_peaks, True
     if out is not None:
         artifacts.write_module_csv(artifacts.module_rows(trace, model), out)
     return trace.at_peak, trace.peak_mib, warm_peaks, False

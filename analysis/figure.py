@@ -4,7 +4,6 @@ card the runs were judged against, and saving a figure. The figures themselves a
 """
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import re
@@ -41,17 +40,11 @@ def skipped(df: pd.DataFrame) -> pd.Series:
     return pd.Series([not_run(row) for row in rows], index=df.index, dtype=bool)
 
 
-def fmt(value) -> str:
-    """A label's value: null where the run left the key unset (gpu_memory_gib=null), as typed."""
-    if isinstance(value, float):
-        return "null" if math.isnan(value) else f"{value:g}"
-    return "null" if value is None else str(value)
-
-
 def run_label(row: pd.Series, labels: list[str]) -> str:
     """Short run name: the label columns' values, e.g. "sgd / 8"."""
     cols = [c for c in labels if c in row.index and not ("." in c and pd.isna(row[c]))]  # a key its option lacks
-    return " / ".join(fmt(row[c]) for c in cols) if cols else fmt(row.get("run_id"))
+    # values as typed: gpu_memory_gib 8 and null, not 8.0 and nan
+    return " / ".join(compare.spelled(row[c]) for c in cols) if cols else compare.spelled(row.get("run_id"))
 
 
 def on_device(df: pd.DataFrame) -> str:

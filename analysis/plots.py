@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from analysis.compare import families, varies
-from analysis.figure import (DPI, as_text, family_file, fmt, is_status, num, on_device, plt, run_label, save,
+from analysis.compare import families, spelled, varies
+from analysis.figure import (DPI, as_text, family_file, is_status, num, on_device, plt, run_label, save,
                              setting_names, skipped, table_order, wrap)
 from analysis.pareto import pareto, pareto_front, pareto_jobs, paretos  # noqa: F401  (the report's plots, one import)
 from analysis.scan import batch_scan  # noqa: F401  (the report's plots, one import)
@@ -156,7 +156,7 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
     ax.set_xlabel("optimizer step" + (f" (measured steps; warm-up steps 1–{warm} not shown)" if warm > 1 else
                                       " (measured steps; warm-up step 1 not shown)" if warm == 1 else ""))
     ax.set_ylabel("training loss (cross-entropy, nats)")
-    where = ", ".join(f"{c}={fmt(group[c].iloc[0])}" for c in fixed)
+    where = ", ".join(f"{c}={spelled(group[c].iloc[0])}" for c in fixed)
     note = left_out(df, group, labels)
     title = [f"Training loss{on_device(df)}", *textwrap.wrap(f"runs with {where}" if where else "", 100),
              *(line for part in note.split("\n") for line in textwrap.wrap(part, 100))]

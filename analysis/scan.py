@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.cells import MEMORY, flops
-from analysis.figure import (DPI, baselines, card, change_name, changed, family_file, fmt, is_status, num, on_device,
+from analysis.compare import spelled
+from analysis.figure import (DPI, baselines, card, change_name, changed, family_file, is_status, num, on_device,
                              plt, save, series, skipped, wrap)
 from analysis.place import drop_crowded, thin_ticks
 
@@ -135,7 +136,7 @@ def _memory_panel(mem, df: pd.DataFrame, ok: pd.DataFrame, memory: str, oom, unr
     sizes = sorted(df["batch_size"].unique())
     if sizes[0] > 0:
         mem.set_xscale("log", base=2)  # batch sizes are usually doublings
-    mem.set_xticks(sizes, [fmt(s) for s in sizes])
+    mem.set_xticks(sizes, [spelled(s) for s in sizes])
     mem.minorticks_off()
     predicted = "predicted " if plan else ""
     mem.set(xlabel="batch size (samples per step)", ylabel=f"{predicted}peak allocated memory (MiB)",
