@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ablate.model import DeferredNormals
 from ablate.models import MAX_LAYERS, Adapter, Family, lm_loss
 from ablate.techniques import Invalid, Plan
 
@@ -76,8 +77,10 @@ class CausalLM(nn.Module):
 
     def reset_parameters(self) -> None:
         """transformers' own initialisation (its `_init_weights` per module, rotary buffers
-        included), so a model built on meta and given storage on the device starts as a fresh one."""
-        self.lm.init_weights()
+        included), so a model built on meta and given storage on the device starts as a fresh one.
+        Its N(0, std) draws are made together, on torch's threads (DeferredNormals)."""
+        with DeferredNormals():
+            self.lm.init_weights()
 
 
 def find_adapter(model: CausalLM) -> Adapter:
