@@ -71,6 +71,11 @@ def check_config(spec: RunSpec, device: str | None = None) -> Techniques:
     for key in ("batch_size", "seq_len", "steps", "samples"):  # steps=0 would report an ok run that timed nothing
         if getattr(spec, key) is not None and getattr(spec, key) < 1:
             raise Invalid(f"{key}={getattr(spec, key)} must be >= 1")
+    per_step = spec.batch_size * t.parallel.world_size  # samples one optimizer step takes, all ranks
+    if spec.samples is not None and 0 < spec.samples < per_step:  # else one step of more samples than asked
+        raise Invalid(f"samples={spec.samples} is less than one optimizer step's {per_step} samples (batch_size="
+                      f"{spec.batch_size}{f' x {t.parallel.world_size} ranks' if t.parallel.world_size > 1 else ''}):"
+                      f" give samples >= {per_step}, or steps")
     if spec.warmup_steps < 2:  # 0 gave an ok row with no peak, 1 a peak without the optimizer state (on CPU)
         raise Invalid(f"warmup_steps={spec.warmup_steps} must be >= 2: the first step allocates the optimizer "
                       "state and the last warm-up step is the one traced for the breakdown (and, on a CPU, the peak)")

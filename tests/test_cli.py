@@ -43,6 +43,8 @@ def test_multirun_writes_one_result_per_point(sweep):
     dirs = sorted(p.parent.name for p in (out / "sweeps" / "first").rglob("result.json"))
     assert [d for d in dirs if "optimizer=sgd" in d.split(",")] and all("seq_len=16" in d for d in dirs)
     assert len({r["run_id"] for r in results}) == 2
+    # nothing printed, no file: Hydra's <job>.log is made at its first line, worker.log dropped empty
+    assert not [p for p in (out / "sweeps" / "first").rglob("*") if p.is_file() and p.stat().st_size == 0]
     assert proc.stdout.count("[     ok]") == 2  # one summary line per point
     assert proc.stdout.count("  eval...\n") == 2  # eval says so, whatever the terminal
     for r in results:  # each line says how much of the point's wall time was not its measured steps

@@ -110,10 +110,14 @@ def test_invalid_combination_names_the_keys():
                          ("warmup_steps=0", "warmup_steps=0 must be >= 2"), ("warmup_steps=1", "warmup_steps=1 must be >= 2"),
                          ("timeout_s=0", "timeout_s=0.0 must be > 0"),
                          ("model.n_head=5", "model.n_embd=192 is not divisible by model.n_head=5"),
-                         ("compile=true warmup_steps=1", "warmup_steps=1 must be >= 2")):
+                         ("compile=true warmup_steps=1", "warmup_steps=1 must be >= 2"),
+                         # not a step's worth: it trained one step of batch_size samples, saying nothing
+                         ("samples=7", r"samples=7 is less than one optimizer step's 8 samples \(batch_size=8\)"),
+                         ("samples=15 batch_size=4 parallel=ddp parallel.nproc=4 device=cpu",
+                          r"samples=15 is less than one optimizer step's 16 samples \(batch_size=4 x 4 ranks\)")):
         with pytest.raises(Invalid, match=message):
             check_config(compose_spec(bad.split()))
-    check_config(compose_spec(["warmup_steps=2", "samples=1"]))
+    check_config(compose_spec(["warmup_steps=2", "samples=8"]))
 
 
 @pytest.mark.parametrize("overrides, message", [
