@@ -237,3 +237,54 @@ def test_an_oom_in_the_traced_step_leaves_the_point_training_untraced(monkeypatc
     lines = io.StringIO()
     console.Progress("point", stream=lines).done({"status": "ok", "metrics": m, "prediction": None, "timing": {}}, "x")
     assert "(traced step: OOM, no breakdown)" in lines.getvalue()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_an_oom_mid_backward_of_the_traced_step_frees_that_step_before_the_measured_ones(monkeypatch, tmp_path,
+                                                                                         in_backward):
+    """The risk of going on after the tracer's OOM (on a GPU the measured steps would OOM in turn):
+    what the stopped step made must be gone before the next one. The OOM is raised from a block's
+    backward inside the real traced step, as the allocator raises it mid-backward. At the first
+    measured step, that step's activations are freed, no gradient is left (with the step in
+    backward, some parameters had theirs), and MemTracker's global module hooks are removed."""
+    import weakref
+
+    from ablate import runner
+    from ablate.build import check_config
+    from ablate.events import EventWriter
+    from helpers import FAST, compose_spec
+
+    real, made, seen = measure.traced_step, [], {}
+    hooks = torch.nn.modules.module
+
+    def check(model, args) -> None:  # the first forward after the traced step's OOM
+        if "alive" not in seen:
+            seen["alive"] = sum(r() is not None for r in made)
+            seen["grads"] = [n for n, p in model.named_parameters() if p.grad is not None]
+            seen["hooks"] = len(hooks._global_forward_hooks) + len(hooks._global_forward_pre_hooks)
+
+    def traced_step(step, model, optimizer, device):
+        block = model.transformer.h[1]
+
+        def boom(module, grad_in, grad_out):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+        keep = block.register_forward_hook(lambda m, a, out: made.append(weakref.ref(out)))
+        stop = block.register_full_backward_hook(boom)
+        before = len(hooks._global_forward_hooks) + len(hooks._global_forward_pre_hooks)
+        try:
+            return real(step, model, optimizer, device)
+        finally:
+            keep.remove(), stop.remove()
+            seen["hooks_before"] = before
+            model.register_forward_pre_hook(check)
+
+    monkeypatch.setattr(measure, "traced_step", traced_step)
+    spec = compose_spec([*FAST, "model.n_layer=3", f"optimizer.in_backward={str(in_backward).lower()}"])
+    t = check_config(spec, "cpu")
+    data = Synthetic(vocab_size=128, train_samples=64).load(16)
+    _, run = runner.train(spec, t, data, torch.device("cpu"), EventWriter(tmp_path), run_dir=tmp_path)
+    assert run.traced_step_oom and len(run.times_ms) == 3
+    assert made and seen["alive"] == 0  # the block's output of the stopped step is gone
+    assert seen["grads"] == []
+    assert seen["hooks"] == seen["hooks_before"]
