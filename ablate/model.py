@@ -126,6 +126,9 @@ def normal_draws(draws: list[tuple[torch.Tensor, float]]) -> None:
             draw(i)
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)  # tensors whose storage is their own
+
+
 class DeferredNormals(TorchFunctionMode):
     """Within it, torch.nn.init.normal_(w, 0, std) calls (as transformers' `_init_weights` makes
     them, one after another in module order: Llama 3.2 1B's 1.2 G values took 12.4 s on the 2-core
@@ -149,14 +152,17 @@ class DeferredNormals(TorchFunctionMode):
         normal_draws(draws)
 
     def touches_pending(self, tensors) -> bool:
+        """Whether any of `tensors` may share memory with a pending draw (a tensor subclass or a
+        sparse one, whose storage is not its own, is taken to)."""
         storages = {w.untyped_storage().data_ptr() for w, _ in self.pending}
-        return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages for t in tensors)
+        return any(isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or t.layout != torch.strided
+                                                     or t.untyped_storage().data_ptr() in storages) for t in tensors)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is nn.init.normal_:
             w, mean, std, generator = _normal_args(*args, **kwargs)
-            if mean == 0 and generator is None and type(w) in (nn.Parameter, torch.Tensor) and not w.is_meta:
+            if mean == 0 and generator is None and type(w) in _PLAIN and w.layout == torch.strided and not w.is_meta:
                 # A tied head drawn after its embedding: the later draw overwrites the whole tensor,
                 # so the earlier is dropped (two draws into one buffer at once would race).
                 self.pending = [(p, s) for p, s in self.pending if not _same_view(p, w)]
