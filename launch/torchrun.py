@@ -35,9 +35,18 @@ def rendezvous_args(nproc: int, nodes: int) -> list[str]:
             f"--rdzv-id={job}"]
 
 
+def threads_per_rank(nproc: int) -> int:
+    """CPU threads for each of a node's `nproc` ranks: this process's CPUs shared out. torchrun
+    would set OMP_NUM_THREADS=1, which makes every rank's host work serial: the model's initial
+    draws (ablate.model.normal_draws) and, under offload, the optimizer step that runs on the CPU."""
+    return max(1, len(os.sched_getaffinity(0)) // nproc)
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     parallel = spec["config"]["parallel"]
+    # torchrun sets it only where it is unset; a user's own setting stands
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(parallel["nproc"])))
     argv = [*rendezvous_args(parallel["nproc"], parallel["nodes"]), "--monitor-interval=0.2",
             "-m", "ablate.worker", spec_path]
     try:

@@ -125,3 +125,24 @@ def test_a_rank_oom_is_an_oom_row_naming_the_rank(tmp_path):
     run_cli(["parallel=ddp"], tmp_path, env={"ABLATE_FAULT": "oom@1"})
     (row,) = results_under(tmp_path)
     assert row["status"] == "oom" and row["reason"].startswith("rank 1: CUDA out of memory")
+
+
+def test_each_rank_gets_its_share_of_the_cpus_not_torchruns_one_thread(monkeypatch, tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 where it is unset, which left each rank's host work (the
+    initial draws, a CPU optimizer step under offload) on one core of a 16-core GPU host. The
+    launcher shares the CPUs out instead; a user's own setting stands."""
+    import json
+    import os
+
+    import launch.torchrun as launcher
+
+    seen = []
+    monkeypatch.setattr(launcher, "run", lambda args: seen.append((os.environ.get("OMP_NUM_THREADS"),
+                                                                    args.nproc_per_node)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    spec = tmp_path / "spec.json"
+    for nproc, given, want in ((4, None, "4"), (3, None, "5"), (32, None, "1"), (4, "2", "2")):
+        monkeypatch.setattr(os, "environ", {} if given is None else {"OMP_NUM_THREADS": given})
+        spec.write_text(json.dumps({"config": {"parallel": {"nproc": nproc, "nodes": 1}}, "run_dir": str(tmp_path)}))
+        assert launcher.main(str(spec)) == 0
+        assert seen[-1] == (want, str(nproc))
