@@ -61,34 +61,38 @@ def gpus_wanted(distributed: bool, nproc: int | str, host: int) -> int:
 
 
 class GpuPool:
-    """The free GPU ids, handed out in the order the host lists them."""
+    """The free GPU ids, handed out in the order the host lists them. Each GPU takes `per_gpu`
+    points at once (hydra.launcher.points_per_gpu; 1: a GPU is a point's own); a point's ranks
+    always get distinct GPUs, the least busy first."""
 
-    def __init__(self, ids: Sequence[int]):
+    def __init__(self, ids: Sequence[int], per_gpu: int = 1):
         self.order = list(ids)
-        self.free = set(ids)
+        self.free = {i: per_gpu for i in ids}  # points each GPU can take yet
 
     def take(self, n: int) -> list[int] | None:
-        """`n` free ids, or None when fewer than `n` are free."""
-        if n > len(self.free):
+        """`n` distinct ids with room, or None when fewer than `n` have it."""
+        ready = sorted((i for i in self.order if self.free[i] > 0), key=lambda i: -self.free[i])  # stable
+        if n > len(ready):
             return None
-        ids = [i for i in self.order if i in self.free][:n]
-        self.free -= set(ids)
-        return ids
+        for i in ready[:n]:
+            self.free[i] -= 1
+        return ready[:n]
 
     def give(self, ids: Sequence[int]) -> None:
-        self.free |= set(ids)
+        for i in ids:
+            self.free[i] += 1
 
 
 def packed(points: Sequence[Point], gpus: Sequence[int], start: Callable[[Point, list[int]], J],
            finished: Callable[[J], bool], stop: Callable[[J], None],
-           poll_s: float = POLL_S) -> Iterator[tuple[Point, J, list[int]]]:
+           poll_s: float = POLL_S, per_gpu: int = 1) -> Iterator[tuple[Point, J, list[int]]]:
     """Start each point once the GPUs it wants are free (all of them at most) and yield (point,
     job, ids) as each job ends. Grid order, except that a point that fits starts before one that
     waits for more GPUs (a 1-GPU point takes a GPU a 2-GPU point cannot use yet); the one that
     waits starts once enough are free at once, at the latest when the rest of the grid has ended.
 
     Closed early (an exception in the caller, Ctrl-C), it `stop`s every job still running."""
-    pool, waiting, running = GpuPool(gpus), list(points), []
+    pool, waiting, running = GpuPool(gpus, per_gpu), list(points), []
     try:
         while waiting or running:
             for point in list(waiting):

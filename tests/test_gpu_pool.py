@@ -47,6 +47,22 @@ def test_the_pool_hands_out_free_ids_in_the_hosts_order():
     assert pool.take(3) == [1, 2, 3]
 
 
+def test_points_per_gpu_lets_points_share_a_gpu_and_a_points_ranks_stay_on_distinct_ones():
+    pool = GpuPool([0, 1], per_gpu=2)
+    assert pool.take(1) == [0] and pool.take(1) == [1]  # the least busy first
+    assert pool.take(2) == [0, 1]  # a 2-rank point: two GPUs, never one twice
+    assert pool.take(1) is None
+    pool.give([1])
+    assert pool.take(2) is None and pool.take(1) == [1]
+    points = [Point(i, [f"p={i}"], 1, True, f"p={i}", None) for i in range(5)]
+    started, most = [], 0
+    for point, _, ids in packed(points, [0], lambda p, ids: started.append((p.idx, ids)) or FakeJob(p, 2),
+                                FakeJob.done, lambda job: None, poll_s=0, per_gpu=3):
+        most = max(most, len(started))
+        started = [s for s in started if s[0] != point.idx]
+    assert most == 3  # three at once on GPU 0, then the other two
+
+
 class FakeJob:
     """Ends after `polls` checks."""
 
@@ -194,3 +210,21 @@ def test_a_sweep_told_to_stop_stops_its_running_points_and_leaves_nothing_behind
             if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert not left  # no submitit job, no worker
     assert not results_under(tmp_path / "s")  # no row for a stopped point: the next sweep runs it
+
+
+def test_points_per_gpu_runs_a_sweeps_points_side_by_side_on_one_gpu(tmp_path):
+    """For a sweep that measures memory only (tests/test_gpu_predict.py): two points at once on the
+    one (fake) GPU, both pinned to it; 0 is refused, naming the key."""
+    small = [f for f in FAST if not f.startswith("device=")] + ["steps=2", "data.train_samples=32"]
+    proc = run_cli(["-m", "hydra.launcher.gpus=[0]", "hydra.launcher.points_per_gpu=2", "optimizer=adamw,sgd",
+                    f"hydra.sweep.dir={tmp_path}/s", *small], tmp_path, fast=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "up to 2 at once on each GPU" in proc.stdout
+    rows = results_under(tmp_path / "s")
+    assert [r["status"] for r in rows] == ["ok", "ok"] and {r["env"]["cuda_visible_devices"] for r in rows} == {"0"}
+    times = [(datetime.fromisoformat(r["timing"]["started_at"]), datetime.fromisoformat(r["timing"]["finished_at"]))
+             for r in rows]
+    assert max(s for s, _ in times) < min(f for _, f in times)
+    bad = run_cli(["-m", "hydra.launcher.gpus=[0]", "hydra.launcher.points_per_gpu=0", "optimizer=adamw,sgd",
+                   f"hydra.sweep.dir={tmp_path}/bad", *small], tmp_path, fast=False)
+    assert bad.returncode != 0 and "hydra.launcher.points_per_gpu=0 must be a positive integer" in bad.stderr

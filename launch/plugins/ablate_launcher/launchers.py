@@ -138,13 +138,17 @@ class GpuPoolLauncher(LocalLauncher):
     pinned to its own GPUs. With one GPU or none: Hydra's basic launcher, exactly as before (one
     point at a time, in the sweep's own process)."""
 
-    def __init__(self, gpus: Any = "auto", **params: Any) -> None:
+    def __init__(self, gpus: Any = "auto", points_per_gpu: int = 1, **params: Any) -> None:
         super().__init__(**params)
         self.gpus = OmegaConf.to_container(gpus) if OmegaConf.is_config(gpus) else gpus
+        if not isinstance(points_per_gpu, int) or isinstance(points_per_gpu, bool) or points_per_gpu < 1:
+            raise ValueError(f"hydra.launcher.points_per_gpu={points_per_gpu!r} must be a positive integer "
+                             "(1: each point a GPU of its own)")
+        self.per_gpu = points_per_gpu
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         gpus = host_gpus(self.gpus)
-        if len(gpus) < 2:
+        if len(gpus) * self.per_gpu < 2:
             basic = BasicLauncher()
             basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
             return basic.launch(job_overrides, initial_job_idx)
@@ -154,12 +158,15 @@ class GpuPoolLauncher(LocalLauncher):
         self._make_sweep_dir()
         points = [self._point(idx, overrides, len(gpus))
                   for idx, overrides in enumerate(job_overrides, start=initial_job_idx)]
-        print(f"{len(points)} point{'s' if len(points) != 1 else ''} over GPUs {_ids(gpus)}, one GPU each "
+        each = "one GPU each" if self.per_gpu == 1 else \
+            f"up to {self.per_gpu} at once on each GPU (points_per_gpu: their times and utilisation are shared)"
+        print(f"{len(points)} point{'s' if len(points) != 1 else ''} over GPUs {_ids(gpus)}, {each} "
               "(parallel.nproc=k: k); each point's own output: <sweep dir>/.submitit/", flush=True)
         # A point wanting more GPUs than there are is invalid here, as the worker's own check would
         # find, without starting its ranks.
         returns = {p.idx: self._too_big(p, gpus) for p in points if p.on_gpu and p.wants > len(gpus)}
-        jobs = packed([p for p in points if p.idx not in returns], gpus, self._start, lambda job: job.done(), _stop)
+        jobs = packed([p for p in points if p.idx not in returns], gpus, self._start, lambda job: job.done(), _stop,
+                      per_gpu=self.per_gpu)
         with _sigterm_stops_the_points(), contextlib.closing(jobs):
             for point, job, ids in jobs:
                 returns[point.idx] = self._collect(job, point.overrides)
