@@ -39,7 +39,8 @@ def threads_per_rank(nproc: int) -> int:
     """CPU threads for each of a node's `nproc` ranks: this process's CPUs shared out. torchrun
     would set OMP_NUM_THREADS=1, which makes every rank's host work serial: the model's initial
     draws (ablate.model.normal_draws) and, under offload, the optimizer step that runs on the CPU."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux: a job's own
+    # Linux: the CPUs this job may use (a SLURM allocation's); elsewhere all of them
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cpus // nproc)
 
 
