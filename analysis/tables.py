@@ -20,6 +20,7 @@ NAMES = {
     ("optimizer", "sgd"): "SGD", ("optimizer", "adafactor"): "Adafactor", ("optimizer", "adamw8bit"): "8-bit AdamW",
     ("optimizer", "adamw8bit_ao"): "8-bit AdamW (torchao)", ("optimizer", "adamw4bit"): "4-bit AdamW",
     ("optimizer", "adamw_fp8"): "fp8-state AdamW", ("loss", "chunked"): "Chunked cross-entropy",
+    ("loss", "fused"): "Fused cross-entropy",
     ("precision", "fp32"): "fp32", ("precision", "tf32"): "TF32", ("precision", "fp16"): "fp16 AMP",
     ("precision", "bf16"): "bf16 AMP", ("precision", "bf16_pure"): "Pure bf16",
     ("offload", "activations"): "Activation offload", ("offload", "optimizer"): "Optimizer offload",

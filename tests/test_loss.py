@@ -1,5 +1,5 @@
-"""The loss group: the chunked cross-entropy equals the standard one, saves the logits' memory, and
-the analytic model knows its bytes."""
+"""The loss group: the chunked cross-entropy (and the fused one, its gradients made in forward)
+equals the standard one, saves the logits' memory, and the analytic model knows its bytes."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ablate.build import check_config
 from ablate.predict.analytic import analytic
 from ablate.techniques import Invalid
-from ablate.techniques.loss import Chunked
+from ablate.techniques.loss import Chunked, Fused
 from tests.helpers import compose_spec, results_under, run_cli, train_nano
 from tests.test_predict import NANO, measured
 
@@ -31,42 +31,62 @@ def standard(h, weight, bias, y):
     return F.cross_entropy(F.linear(h, weight, bias).float().flatten(0, 1), y.flatten())
 
 
-def chunked(n):
+def chunked(n, kind=Chunked):
     def loss(h, weight, bias, y):
-        return Chunked(n)(h, SimpleNamespace(weight=weight, bias=bias), y)  # it reads only the head's tensors
+        return kind(n)(h, SimpleNamespace(weight=weight, bias=bias), y)  # it reads only the head's tensors
     return loss
 
 
+@pytest.mark.parametrize("kind", [Chunked, Fused])
 @pytest.mark.parametrize("chunks", [1, 3, 8, 37])  # 3 does not divide the 74 tokens; 37 is 2 per slice
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_chunked_gives_the_standard_loss_and_gradients(chunks, with_bias):
+def test_chunked_gives_the_standard_loss_and_gradients(chunks, with_bias, kind):
     torch.manual_seed(0)
     h, y = torch.randn(2, 37, 16), torch.randint(0, 101, (2, 37))
     weight, bias = torch.randn(101, 16) * 0.3, torch.randn(101) if with_bias else None
-    ours, theirs = grads_of(chunked(chunks), h, weight, bias, y), grads_of(standard, h, weight, bias, y)
+    ours, theirs = grads_of(chunked(chunks, kind), h, weight, bias, y), grads_of(standard, h, weight, bias, y)
     for a, b in zip(ours, theirs):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_chunked_under_autocast_computes_as_the_head_would():
+def test_the_fused_loss_scales_its_gradients_by_the_incoming_one_and_makes_none_without_grad_mode(monkeypatch):
+    """Its gradients are made in forward for a loss gradient of 1: accumulation's 1/k (or any
+    factor after the loss) scales them in backward. Eval (no grad mode) makes none."""
+    from ablate.techniques import loss as module
+
+    torch.manual_seed(0)
+    h, y, weight = torch.randn(2, 37, 16), torch.randint(0, 101, (2, 37)), torch.randn(101, 16) * 0.3
+    ours = grads_of(lambda *a: chunked(4, Fused)(*a) * 0.25, h, weight, None, y)
+    theirs = grads_of(lambda *a: standard(*a) * 0.25, h, weight, None, y)
+    for a, b in zip(ours[1:3], theirs[1:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    monkeypatch.setattr(module, "_slice_backward", lambda *a: pytest.fail("a gradient made without grad mode"))
+    with torch.no_grad():
+        loss = chunked(4, Fused)(h, weight.requires_grad_(), None, y)
+    assert loss.item() == pytest.approx(standard(h, weight, None, y).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", [Chunked, Fused])
+def test_chunked_under_autocast_computes_as_the_head_would(kind):
     """bf16 autocast: the chunked slices run their matmuls in bf16 too, so they agree with the
     standard loss to bf16's precision, and the gradients keep their inputs' dtypes."""
     torch.manual_seed(0)
     h, y, weight = torch.randn(4, 32, 64), torch.randint(0, 512, (4, 32)), torch.randn(512, 64) * 0.05
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours, theirs = grads_of(chunked(8), h, weight, None, y), grads_of(standard, h, weight, None, y)
+        ours, theirs = grads_of(chunked(8, kind), h, weight, None, y), grads_of(standard, h, weight, None, y)
     assert ours[1].dtype == ours[2].dtype == torch.float32
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-3, atol=0)
     for a, b in zip(ours[1:3], theirs[1:3]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16_pure"])
-def test_training_with_the_chunked_loss_follows_the_standard_one(precision):
+def test_training_with_the_chunked_loss_follows_the_standard_one(precision, loss):
     plain = train_nano([f"precision={precision}"], steps=4)[0]
-    ours = train_nano([f"precision={precision}", "loss=chunked", "loss.chunks=5"], steps=4)[0]
+    ours = train_nano([f"precision={precision}", f"loss={loss}", "loss.chunks=5"], steps=4)[0]
     assert plain[-1] < plain[0]
     assert ours == pytest.approx(plain, rel=1e-5 if precision == "fp32" else 2e-2)
 
@@ -75,10 +95,13 @@ def test_training_with_the_chunked_loss_follows_the_standard_one(precision):
 BIG_VOCAB = [*NANO, "model.vocab_size=2048", "data.vocab_size=2048"]
 
 
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure"])
 @pytest.mark.parametrize("accumulation", ["none", "x4"])
-def test_analytic_knows_the_chunked_losss_bytes(precision, accumulation):
-    overrides = [f"precision={precision}", f"accumulation={accumulation}", "loss=chunked"]
+def test_analytic_knows_the_chunked_losss_bytes(precision, accumulation, loss):
+    """loss=fused makes in forward what the chunked loss makes in backward: its peak (at the end
+    of the loss's forward, the moment before backward begins) is the chunked loss's."""
+    overrides = [f"precision={precision}", f"accumulation={accumulation}", f"loss={loss}"]
     real, pred = measured(overrides, BIG_VOCAB), analytic(compose_spec([*BIG_VOCAB, *overrides]))
     assert pred.category_max_mib["grads"] * MIB == real.category_max["grads"] * MIB
     assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.05)
@@ -98,11 +121,18 @@ def test_chunked_saves_most_of_the_logits_bytes():
     (["loss.chunks=0"], "loss.chunks=0 must be a positive integer"),
     (["loss.chunks=300", "batch_size=8", "seq_len=32"], r"loss.chunks=300 > the 256 tokens of a micro-batch"),
     (["model=hf", "+model.config.model_type=gemma2", "+model.config.num_hidden_layers=1"],
-     r"loss=chunked needs logits that are the head's output alone; model_type='gemma2'"),
+     r"loss=chunked and loss=fused need logits that are the head's output alone; model_type='gemma2'"),
 ])
 def test_invalid_chunked_losses_name_their_key(overrides, match):
-    with pytest.raises(Invalid, match=match):
-        check_config(compose_spec(["device=cpu", "loss=chunked", *overrides]))
+    for loss in ("chunked", "fused"):
+        with pytest.raises(Invalid, match=match):
+            check_config(compose_spec(["device=cpu", f"loss={loss}", *overrides]))
+
+
+def test_the_fused_loss_refuses_fp16s_grad_scaler():
+    with pytest.raises(Invalid, match="loss=fused makes its gradients in forward, before the GradScaler's scale"):
+        check_config(compose_spec(["device=cpu", "loss=fused", "precision=fp16"]))
+    check_config(compose_spec(["device=cpu", "loss=chunked", "precision=fp16"]))
 
 
 @pytest.mark.slow
@@ -123,17 +153,18 @@ def test_the_issues_gpt2_sweep_saves_the_logits(tmp_path):
 
 
 @pytest.mark.slow
-def test_chunked_under_ddp_and_fsdp_gives_the_standard_losses(tmp_path):
+def test_chunked_and_fused_under_ddp_and_fsdp_give_the_standard_losses(tmp_path):
     """Two gloo ranks: FSDP2 gathers the head's weight for the root's forward and again for its
     backward, which the chunked loss's saved weight relies on; DDP reduces its gradient."""
-    proc = run_cli(["-m", *NANO[:3], "loss=standard,chunked", "parallel=fsdp,ddp", "parallel.nproc=2", "batch_size=4",
-                    "seq_len=32", "steps=3", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, timeout=900)
+    proc = run_cli(["-m", *NANO[:3], "loss=standard,chunked,fused", "parallel=fsdp,ddp", "parallel.nproc=2",
+                    "batch_size=4", "seq_len=32", "steps=3", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {(r["choices"]["parallel"], r["choices"]["loss"]): r for r in results_under(tmp_path / "s")}
-    assert len(rows) == 4 and {r["status"] for r in rows.values()} == {"ok"}
+    assert len(rows) == 6 and {r["status"] for r in rows.values()} == {"ok"}
     for parallel in ("fsdp", "ddp"):
-        assert rows[parallel, "chunked"]["metrics"]["losses"] == pytest.approx(
-            rows[parallel, "standard"]["metrics"]["losses"], rel=1e-5)
+        for loss in ("chunked", "fused"):  # fused: the head's gradient made in forward, on the gathered weight
+            assert rows[parallel, loss]["metrics"]["losses"] == pytest.approx(
+                rows[parallel, "standard"]["metrics"]["losses"], rel=1e-5), (parallel, loss)
 
 
 def test_the_chunked_loss_counts_its_recomputed_head_for_hfu():
@@ -144,3 +175,4 @@ def test_the_chunked_loss_counts_its_recomputed_head_for_hfu():
     linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert t.loss.recompute_fraction == pytest.approx(head / linears) and 0 < t.loss.recompute_fraction < 1
     assert train_nano([], steps=1)[3].loss.recompute_fraction == 0
+    assert train_nano(["loss=fused"], steps=1)[3].loss.recompute_fraction == 0  # its head runs once

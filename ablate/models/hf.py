@@ -170,7 +170,8 @@ class HFCausalLM(Family):
             raise Invalid(f"model.config.hidden_size={hidden} is not divisible by "
                           f"model.config.num_attention_heads={heads}")
         if plan.chunked_loss and c.model_type not in PLAIN_HEAD:
-            raise Invalid(f"loss=chunked needs logits that are the head's output alone; model_type={c.model_type!r} "
+            raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
+                          f"model_type={c.model_type!r} "
                           f"is not one checked to be ({', '.join(PLAIN_HEAD)}): use loss=standard")
         kv = getattr(c, "num_key_value_heads", None)
         if heads and kv and heads % kv:

@@ -101,24 +101,90 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_w, grad_b = _rows(grad_weight, grad_bias, ctx.vocab)  # its token rows: padding's stay 0
         with torch.autocast(h.device.type, enabled=False):
             w, b = _rows(weight, bias, ctx.vocab, ctx.dtype)
-            start = 0
-            for hs, ys in zip(h.chunk(ctx.chunks), y.chunk(ctx.chunks)):
+            for hs, ys, dh in zip(h.chunk(ctx.chunks), y.chunk(ctx.chunks), grad_h.chunk(ctx.chunks)):
                 hs = hs.to(ctx.dtype)
-                g = F.linear(hs, w, b).float()  # (n, V) logits, then in place their gradient:
-                g -= g.logsumexp(-1, keepdim=True)
-                g.exp_()  # softmax
-                g[torch.arange(len(ys), device=g.device), ys] -= 1
-                g *= grad_total
-                g = g.to(ctx.dtype)
-                grad_h[start:start + len(ys)] = g @ w
-                if grad_w.dtype == ctx.dtype:  # (V, C), summed in place
-                    grad_w.addmm_(g.t(), hs)
-                else:  # autocast: the slice's share in the compute dtype, added into the parameter dtype
-                    grad_w += g.t() @ hs
-                if grad_b is not None:
-                    grad_b += g.sum(0)
-                start += len(ys)
+                logits = F.linear(hs, w, b).float()  # (n, V)
+                _slice_backward(logits, logits.logsumexp(-1, keepdim=True), ys, grad_total, hs, w, dh, grad_w, grad_b)
         return grad_h, grad_weight, grad_bias, None, None, None
+
+
+def _slice_backward(logits, lse, ys, scale, hs, w, dh, grad_w, grad_b) -> None:
+    """One slice's share of the gradients, from its fp32 logits (n, V), turned in place into their
+    own gradient (softmax - one-hot) x scale: d hidden written into dh (n, C), the head's
+    weight (V, C) and bias gradients summed into grad_w, grad_b. hs (n, C) and w in the compute
+    dtype; lse (n, 1): the logits' logsumexp."""
+    g = logits
+    g -= lse
+    g.exp_()  # softmax
+    g[torch.arange(len(ys), device=g.device), ys] -= 1
+    g *= scale
+    g = g.to(hs.dtype)
+    dh[:] = g @ w
+    if grad_w.dtype == hs.dtype:  # (V, C), summed in place
+        grad_w.addmm_(g.t(), hs)
+    else:  # autocast: the slice's share in the compute dtype, added into the parameter dtype
+        grad_w += g.t() @ hs
+    if grad_b is not None:
+        grad_b += g.sum(0)
+
+
+class Fused(Chunked):
+    """The chunked loss with its gradients made in forward, slice by slice, as Liger-Kernel's
+    fused linear cross-entropy makes them: the loss is the step's last operation, so backward only
+    scales them by the loss's incoming gradient. Saves what the chunked loss saves, and its
+    recompute: the head's matmul runs once, not twice (for gpt2, about 10% of a step's FLOPs).
+    Spends: d hidden (B·T·C) and the head's gradient exist from the loss's forward on, not from
+    its backward, moments apart (the peak is the same where it is in backward). Under
+    precision=fp16 the gradients would be made before the GradScaler scales the loss, where
+    fp16's range flushes the small ones to zero: loss=chunked there. Without grad mode (eval) it
+    makes no gradient."""
+
+    def check(self, plan: Plan) -> None:
+        super().check(plan)
+        if plan.grad_scaler:
+            raise Invalid("loss=fused makes its gradients in forward, before the GradScaler's scale: fp16 would "
+                          "flush them to zero; use loss=chunked with precision=fp16")
+
+    def attach(self, model: nn.Module, adapter) -> None:
+        model.loss_fn = self  # nothing recomputed: recompute_fraction stays 0
+
+    def __call__(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
+                 vocab: int | None = None) -> torch.Tensor:
+        h, y = hidden.flatten(0, 1), targets.flatten()  # (N, C), (N,)
+        grads = torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)
+        return _FusedCrossEntropy.apply(h, head.weight, head.bias, y, self.chunks, vocab or head.weight.size(0), grads)
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of h (N, C) @ weight[:vocab].T + bias[:vocab] against y (N,), with the
+    gradients of h, weight and bias made slice by slice in forward, for a loss gradient of 1, and
+    kept on ctx (intermediates, not save_for_backward: activation offload's hooks would copy them
+    to the host and back); backward scales them in place by the loss's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunks, vocab, grads):
+        dtype = _compute_dtype(h.device.type, weight.dtype)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if grads else None  # (N, C)
+        grad_weight = torch.zeros_like(weight) if grads else None  # (V, C), summed in place over the slices
+        grad_bias = torch.zeros_like(bias) if grads and bias is not None else None
+        grad_w, grad_b = _rows(grad_weight, grad_bias, vocab) if grads else (None, None)  # padding's rows stay 0
+        with torch.autocast(h.device.type, enabled=False):
+            w, b = _rows(weight, bias, vocab, dtype)
+            for hs, ys, dh in zip(h.chunk(chunks), y.chunk(chunks), grad_h.chunk(chunks) if grads else [None] * chunks):
+                hs = hs.to(dtype)
+                logits = F.linear(hs, w, b).float()  # (n, V)
+                lse = logits.logsumexp(-1, keepdim=True)  # (n, 1)
+                total += (lse.squeeze(1) - logits.gather(1, ys[:, None]).squeeze(1)).sum()
+                if grads:
+                    _slice_backward(logits, lse, ys, 1.0 / len(y), hs, w, dh, grad_w, grad_b)
+        ctx.grads = (grad_h, grad_weight, grad_bias)
+        return total / len(y)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads, ctx.grads = ctx.grads, None
+        return *(None if g is None else g.mul_(grad_loss) for g in grads), None, None, None, None
 
 
 def _rows(weight: torch.Tensor, bias: torch.Tensor | None, vocab: int, dtype: torch.dtype | None = None):
