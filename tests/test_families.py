@@ -74,6 +74,7 @@ def test_every_checkpoint_option_and_accumulation_keep_the_losses(name):
         assert losses(name, f"checkpoint={option}") == pytest.approx(plain, rel=1e-5), option
     assert losses(name, "accumulation=x4") == pytest.approx(plain, rel=1e-4)
     assert losses(name, "loss=chunked", "loss.chunks=3") == pytest.approx(plain, rel=1e-5)
+    assert losses(name, "loss=fused", "loss.chunks=3") == pytest.approx(plain, rel=1e-5)
     pure = losses(name, "precision=bf16_pure", "precision.init_on_device=true")
     assert all(map(torch.isfinite, torch.tensor(pure))) and pure[-1] < pure[0]
 
