@@ -299,7 +299,7 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
         follow()
     ended = time.time()
     outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
-    if log.stat().st_size == 0:  # the worker printed nothing: no empty file beside its row
+    if log.exists() and log.stat().st_size == 0:  # the worker printed nothing: no empty file beside its row
         log.unlink()
     if stopped and outcome.status != "ok":
         name = signal.Signals(stopped[0]).name

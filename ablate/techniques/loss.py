@@ -67,8 +67,11 @@ class Chunked(Standard):
         head's weight and bias go in, not the module: what hooks modules once per forward
         (MemTracker, FSDP) sees no call."""
         h, y = hidden.flatten(0, 1), targets.flatten()  # (N, C), (N,)
-        vocab = vocab or head.weight.size(0)
-        return _ChunkedCrossEntropy.apply(h, head.weight, head.bias, y, self.chunks, vocab) / y.numel()
+        return self.mean_loss(h, head.weight, head.bias, y, vocab or head.weight.size(0))
+
+    def mean_loss(self, h, weight, bias, y, vocab: int) -> torch.Tensor:
+        """h (N, C), y (N,): the mean loss, its gradients made in backward (recomputed)."""
+        return _ChunkedCrossEntropy.apply(h, weight, bias, y, self.chunks, vocab) / y.numel()
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -148,11 +151,10 @@ class Fused(Chunked):
     def attach(self, model: nn.Module, adapter) -> None:
         model.loss_fn = self  # nothing recomputed: recompute_fraction stays 0
 
-    def __call__(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
-                 vocab: int | None = None) -> torch.Tensor:
-        h, y = hidden.flatten(0, 1), targets.flatten()  # (N, C), (N,)
-        grads = torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)
-        return _FusedCrossEntropy.apply(h, head.weight, head.bias, y, self.chunks, vocab or head.weight.size(0), grads)
+    def mean_loss(self, h, weight, bias, y, vocab: int) -> torch.Tensor:
+        """h (N, C), y (N,): the mean loss, its gradients made now where backward will want them."""
+        grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+        return _FusedCrossEntropy.apply(h, weight, bias, y, self.chunks, vocab, grads)
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
