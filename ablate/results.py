@@ -40,7 +40,7 @@ ARTIFACTS = {"memory_by_module": "memory_by_module.csv",  # the traced step, per
              "memory_snapshot": "memory_snapshot.pickle",  # CUDA allocator history of the traced (or compiled) step
              "oom_snapshot": "oom_snapshot.pickle"}  # CUDA allocator state at an OOM
 ENV_KEYS = ("torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname",
-            "git_sha", "python", "slurm_job_id", "cuda_visible_devices")
+            "git_sha", "python", "slurm_job_id", "cuda_visible_devices", "cpus", "cpu_threads")
 
 
 def run_id(config: dict) -> str:

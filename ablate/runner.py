@@ -22,6 +22,7 @@ from ablate.hardware import flops_per_token, peak_tflops
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
 from ablate.train import evaluate, train_step
+from launch import cpus as host_cpus
 
 PROGRESS_EVERY_S = 0.5  # at most this often a loss is read back (a device sync) for the progress line
 
@@ -270,6 +271,9 @@ def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict 
         "gpu_name": gpu_name,
         "gpu_total_mib": torch.cuda.get_device_properties(device).total_memory / measure.MIB if cuda else None,
         "world_size": t.parallel.world_size,
+        # what host-bound times depend on: rank 0's CPUs (a gpu_pool point's own) and torch's threads on them
+        "cpus": host_cpus.fmt(host_cpus.allowed()),
+        "cpu_threads": torch.get_num_threads(),
         **limit.env(),
     }
     return {"metrics": metrics(spec, t, trained, ranks, eval_loss, data.loss_floor, gpu_name), "env": env}

@@ -33,6 +33,13 @@ def _when(finished: pd.Series) -> str:
     return f"{first} – {last[11:] if last[:10] == first[:10] else last} UTC"  # one day: its date once
 
 
+def _cpu(ran: pd.DataFrame) -> pd.Series:
+    """"CPU: 2 threads" per row (torch's threads: what a CPU run's times depend on); "CPU" where
+    the row does not say (written before env.cpu_threads was)."""
+    threads = ran["env_cpu_threads"] if "env_cpu_threads" in ran else pd.Series(None, index=ran.index, dtype=object)
+    return threads.map(lambda n: "CPU" if n is None or pd.isna(n) else f"CPU: {int(n)} thread{'s' if n != 1 else ''}")
+
+
 def about(df: pd.DataFrame) -> list[tuple[str, str]]:
     """(name, value) lines: device, torch, commit, date, command(s). A run that never reached a
     worker (invalid, predicted) names no device or torch, so those come from the runs that did."""
@@ -40,7 +47,7 @@ def about(df: pd.DataFrame) -> list[tuple[str, str]]:
     # a plan: nothing ran, by design (predict_only), as opposed to rows that all failed
     plan = any(r.get("status") == "predicted" or predicted_oom(r) for r in df.to_dict("records"))
     device = (("none ran (a plan: predicted, not measured)" if plan else "none ran") if ran.empty
-              else _counted(ran["env_gpu_name"].where(ran["env_gpu_name"].notna(), "CPU")))
+              else _counted(ran["env_gpu_name"].where(ran["env_gpu_name"].notna(), _cpu(ran))))
     commits = [c[:7] + ("+dirty" if c.endswith("+dirty") else "") for c in _distinct(df.get("env_git_sha", []))]
     commands = _distinct(df["command"]) if "command" in df else []
     shown = [f"`{c}`" for c in commands[:MAX_COMMANDS]]

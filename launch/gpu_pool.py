@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 from launch.nvml import visible_gpu_count
 
@@ -60,46 +60,60 @@ def gpus_wanted(distributed: bool, nproc: int | str, host: int) -> int:
     return want
 
 
+@dataclass(frozen=True)
+class Lease:
+    """What a running point holds: a slot on each of its GPUs (distinct), and the host's CPUs that
+    go with those slots (launch/cpus.plan; empty: no CPUs shared out)."""
+
+    seats: tuple[tuple[int, int], ...]  # (GPU id, slot)
+    cpus: tuple[int, ...] = ()
+
+    @property
+    def ids(self) -> list[int]:
+        return [gpu for gpu, _ in self.seats]
+
+
 class GpuPool:
     """The free GPU ids, handed out in the order the host lists them. Each GPU takes `per_gpu`
-    points at once (hydra.launcher.points_per_gpu; 1: a GPU is a point's own); a point's ranks
-    always get distinct GPUs, the least busy first."""
+    points at once (hydra.launcher.points_per_gpu; 1: a GPU is a point's own), each in a slot of
+    its own; a point's ranks always get distinct GPUs, the least busy first. With `cpus` (slot ->
+    CPUs: launch/cpus.plan) a lease carries its slots' CPUs."""
 
-    def __init__(self, ids: Sequence[int], per_gpu: int = 1):
+    def __init__(self, ids: Sequence[int], per_gpu: int = 1, cpus: Mapping[tuple[int, int], list[int]] | None = None):
         self.order = list(ids)
-        self.free = {i: per_gpu for i in ids}  # points each GPU can take yet
+        self.free = {i: list(range(per_gpu)) for i in ids}  # each GPU's free slots
+        self.cpus = cpus or {}
 
-    def take(self, n: int) -> list[int] | None:
-        """`n` distinct ids with room, or None when fewer than `n` have it."""
-        ready = sorted((i for i in self.order if self.free[i] > 0), key=lambda i: -self.free[i])  # stable
+    def take(self, n: int) -> Lease | None:
+        """A slot on each of `n` distinct GPUs with room, or None when fewer than `n` have it."""
+        ready = sorted((i for i in self.order if self.free[i]), key=lambda i: -len(self.free[i]))  # stable
         if n > len(ready):
             return None
-        for i in ready[:n]:
-            self.free[i] -= 1
-        return ready[:n]
+        seats = tuple((i, self.free[i].pop(0)) for i in ready[:n])
+        return Lease(seats, tuple(sorted({c for seat in seats for c in self.cpus.get(seat, ())})))
 
-    def give(self, ids: Sequence[int]) -> None:
-        for i in ids:
-            self.free[i] += 1
+    def give(self, lease: Lease) -> None:
+        for gpu, slot in lease.seats:
+            self.free[gpu] = sorted([*self.free[gpu], slot])
 
 
-def packed(points: Sequence[Point], gpus: Sequence[int], start: Callable[[Point, list[int]], J],
-           finished: Callable[[J], bool], stop: Callable[[J], None],
-           poll_s: float = POLL_S, per_gpu: int = 1) -> Iterator[tuple[Point, J, list[int]]]:
+def packed(points: Sequence[Point], gpus: Sequence[int], start: Callable[[Point, Lease], J],
+           finished: Callable[[J], bool], stop: Callable[[J], None], poll_s: float = POLL_S, per_gpu: int = 1,
+           cpus: Mapping[tuple[int, int], list[int]] | None = None) -> Iterator[tuple[Point, J, Lease]]:
     """Start each point once the GPUs it wants are free (all of them at most) and yield (point,
-    job, ids) as each job ends. Grid order, except that a point that fits starts before one that
+    job, lease) as each job ends. Grid order, except that a point that fits starts before one that
     waits for more GPUs (a 1-GPU point takes a GPU a 2-GPU point cannot use yet); the one that
     waits starts once enough are free at once, at the latest when the rest of the grid has ended.
 
     Closed early (an exception in the caller, Ctrl-C), it `stop`s every job still running."""
-    pool, waiting, running = GpuPool(gpus, per_gpu), list(points), []
+    pool, waiting, running = GpuPool(gpus, per_gpu, cpus), list(points), []
     try:
         while waiting or running:
             for point in list(waiting):
-                ids = pool.take(max(1, min(point.wants, len(gpus))))  # never more than there are
-                if ids is not None:
+                lease = pool.take(max(1, min(point.wants, len(gpus))))  # never more than there are
+                if lease is not None:
                     waiting.remove(point)
-                    running.append((point, start(point, ids), ids))
+                    running.append((point, start(point, lease), lease))
             for entry in [e for e in running if finished(e[1])]:
                 running.remove(entry)
                 pool.give(entry[2])

@@ -37,6 +37,23 @@ def gpu_total_mib() -> float | None:
         return None
 
 
+def near_cpus(gpus: list[int]) -> dict[int, set[int]]:
+    """The CPUs near each GPU (NVML index, PCI order), as NVML's affinity mask says: its NUMA
+    node's. {} where there is no driver; a GPU NVML cannot answer for is left out."""
+    nv = _nvml()
+    if not nv:
+        return {}
+    words = -(-(os.cpu_count() or 1) // 64)  # the mask in 64-bit words, CPU 64w+b at word w's bit b
+    near = {}
+    for gpu in gpus:
+        try:
+            mask = nv.nvmlDeviceGetCpuAffinity(nv.nvmlDeviceGetHandleByIndex(gpu), words)
+        except Exception:  # a fake id (tests), an old driver
+            continue
+        near[gpu] = {64 * w + b for w, word in enumerate(mask) for b in range(64) if word >> b & 1}
+    return near
+
+
 def _nvml():
     try:
         import pynvml  # provided by the nvidia-ml-py package

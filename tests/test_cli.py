@@ -23,7 +23,7 @@ METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_p
            "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
            "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch"}
 ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname", "git_sha", "python",
-       "slurm_job_id", "cuda_visible_devices"}
+       "slurm_job_id", "cuda_visible_devices", "cpus", "cpu_threads"}
 CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss"}
 
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from helpers import FAST, ROOT, results_under, run_cli
-from launch import gpu_pool
+from launch import cpus, gpu_pool
 from launch.gpu_pool import GpuPool, Point, gpus_wanted, host_gpus, packed
 
 
@@ -41,22 +41,25 @@ def test_a_point_wants_one_gpu_per_rank():
 
 def test_the_pool_hands_out_free_ids_in_the_hosts_order():
     pool = GpuPool([0, 1, 2, 3])
-    assert pool.take(1) == [0] and pool.take(2) == [1, 2]
+    first, second = pool.take(1), pool.take(2)
+    assert first.ids == [0] and second.ids == [1, 2]
     assert pool.take(2) is None  # one left
-    pool.give([1, 2])
-    assert pool.take(3) == [1, 2, 3]
+    pool.give(second)
+    assert pool.take(3).ids == [1, 2, 3]
 
 
 def test_points_per_gpu_lets_points_share_a_gpu_and_a_points_ranks_stay_on_distinct_ones():
     pool = GpuPool([0, 1], per_gpu=2)
-    assert pool.take(1) == [0] and pool.take(1) == [1]  # the least busy first
-    assert pool.take(2) == [0, 1]  # a 2-rank point: two GPUs, never one twice
+    one, two = pool.take(1), pool.take(1)
+    assert one.ids == [0] and two.ids == [1]  # the least busy first
+    pair = pool.take(2)
+    assert pair.seats == ((0, 1), (1, 1))  # a 2-rank point: two GPUs, never one twice; each GPU's other slot
     assert pool.take(1) is None
-    pool.give([1])
-    assert pool.take(2) is None and pool.take(1) == [1]
+    pool.give(two)
+    assert pool.take(2) is None and pool.take(1).seats == ((1, 0),)  # the slot given back
     points = [Point(i, [f"p={i}"], 1, True, f"p={i}", None) for i in range(5)]
     started, most = [], 0
-    for point, _, ids in packed(points, [0], lambda p, ids: started.append((p.idx, ids)) or FakeJob(p, 2),
+    for point, _, _ in packed(points, [0], lambda p, lease: started.append((p.idx, lease.ids)) or FakeJob(p, 2),
                                 FakeJob.done, lambda job: None, poll_s=0, per_gpu=3):
         most = max(most, len(started))
         started = [s for s in started if s[0] != point.idx]
@@ -80,16 +83,17 @@ def schedule(wants: list[int], gpus: list[int], polls: int = 3):
     busy: set[int] = set()
     started, ended, most = [], [], 0
 
-    def start(point, ids):
+    def start(point, lease):
         nonlocal most
+        ids = lease.ids
         assert not busy & set(ids), f"{point.label} got GPUs {ids} while {sorted(busy)} were busy"
         busy.update(ids)
         started.append((point.idx, ids))
         most = max(most, len(started) - len(ended))
         return FakeJob(point, polls)
 
-    for point, _, ids in packed(points, gpus, start, FakeJob.done, lambda job: None, poll_s=0):
-        busy.difference_update(ids)
+    for point, _, lease in packed(points, gpus, start, FakeJob.done, lambda job: None, poll_s=0):
+        busy.difference_update(lease.ids)
         ended.append(point.idx)
     return started, ended, most
 
@@ -126,7 +130,7 @@ def test_a_sweep_stopped_midway_stops_its_running_jobs():
         return False
 
     with pytest.raises(KeyboardInterrupt):
-        for _ in packed(points, [0, 1], lambda point, ids: point, finished, stopped.append, poll_s=0):
+        for _ in packed(points, [0, 1], lambda point, lease: point, finished, stopped.append, poll_s=0):
             pass
     assert stopped == points[:2]  # the two running; the third never started
 
@@ -168,6 +172,11 @@ def test_a_real_sweep_packs_points_of_one_and_two_gpus_and_refuses_one_wanting_m
     # Pinned, as recorded inside each point: GPUs of its own, one per rank.
     assert single["env"]["cuda_visible_devices"] == "0" and ddp["env"]["cuda_visible_devices"] == "1,2"
     assert (single["env"]["world_size"], ddp["env"]["world_size"]) == (1, 2)
+    # CPUs of their own, as launch/cpus plans them (on a 2-CPU host, 3 slots: the DDP pair shares)
+    seats = cpus.plan([0, 1, 2], 1, cpus.allowed())
+    pair = sorted(set(seats[1, 0]) | set(seats[2, 0]))
+    assert (single["env"]["cpus"], ddp["env"]["cpus"]) == (cpus.fmt(seats[0, 0]), cpus.fmt(pair))
+    assert (single["env"]["cpu_threads"], ddp["env"]["cpu_threads"]) == (len(seats[0, 0]), max(1, len(pair) // 2))
     # Side by side: both started before either ended.
     times = [(datetime.fromisoformat(r["timing"]["started_at"]), datetime.fromisoformat(r["timing"]["finished_at"]))
              for r in (single, ddp)]
@@ -177,8 +186,8 @@ def test_a_real_sweep_packs_points_of_one_and_two_gpus_and_refuses_one_wanting_m
     running = [i for i, ln in enumerate(lines) if ln.startswith("[running]")]
     done = [i for i, ln in enumerate(lines) if ln.startswith("[     ok]")]
     assert len(running) == len(done) == 2 and max(running) < min(done)
-    assert re.search(r"parallel=single.*  GPU 0$", lines[running[0]])
-    assert re.search(r"parallel.nproc=2,parallel=ddp.*  GPU 1,2$", lines[running[1]])
+    assert re.search(rf"parallel=single.*  GPU 0  CPUs {single['env']['cpus']}$", lines[running[0]])
+    assert re.search(rf"parallel.nproc=2,parallel=ddp.*  GPU 1,2  CPUs {ddp['env']['cpus']}$", lines[running[1]])
     assert any("parallel=single" in lines[i] and "  GPU 0  peak" in lines[i] for i in done)
     assert any(ln.startswith("[invalid]") and "parallel.nproc=8 > 3 GPUs" in ln for ln in lines)
     assert "3 results under" in proc.stdout and "2 ok, 1 invalid" in proc.stdout
@@ -222,6 +231,9 @@ def test_points_per_gpu_runs_a_sweeps_points_side_by_side_on_one_gpu(tmp_path):
     assert "up to 2 at once on each GPU" in proc.stdout
     rows = results_under(tmp_path / "s")
     assert [r["status"] for r in rows] == ["ok", "ok"] and {r["env"]["cuda_visible_devices"] for r in rows} == {"0"}
+    # one GPU's two slots: the host's CPUs halved between them, torch's threads one per CPU
+    assert sorted(r["env"]["cpus"] for r in rows) == sorted(cpus.fmt(c) for c in cpus.plan([0], 2, cpus.allowed()).values())
+    assert all(r["env"]["cpu_threads"] == len(cpus.parse(r["env"]["cpus"])) for r in rows)
     times = [(datetime.fromisoformat(r["timing"]["started_at"]), datetime.fromisoformat(r["timing"]["finished_at"]))
              for r in rows]
     assert max(s for s, _ in times) < min(f for _, f in times)

@@ -103,6 +103,10 @@ def test_the_report_opens_with_device_torch_commit_date_and_command(tmp_path):
         ""]
     html = (tmp_path / "out" / "report.html").read_text()
     assert "<b>Device:</b> CPU" in html and "<code>python -m ablate -m experiment=demo optimizer=adamw,sgd</code>" in html
+    # rows that say how many threads torch ran (env.cpu_threads): the CPU is named with them
+    _run(runs, "a", env={**CPU, "cpu_threads": 2})
+    _run(runs, "s", optimizer="sgd", env={**CPU, "cpu_threads": 1})
+    assert "- Device: CPU: 2 threads (1 run), CPU: 1 thread (1 run)" in _report(tmp_path).splitlines()
 
 
 def test_the_reports_command_keeps_hydras_own_overrides(tmp_path):

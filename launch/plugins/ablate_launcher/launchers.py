@@ -29,7 +29,9 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLaunche
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as PluginSlurmLauncher
 from omegaconf import OmegaConf
 
-from launch.gpu_pool import Point, gpus_wanted, host_gpus, packed
+from launch import cpus as host_cpus
+from launch.gpu_pool import Lease, Point, gpus_wanted, host_gpus, packed
+from launch.nvml import near_cpus
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,9 @@ class LocalLauncher(PluginLocalLauncher):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         log.info(f"Submitit 'local' sweep output dir : {sweep_dir}")
 
-    def _submit(self, idx: int, overrides: Sequence[str], gpus: list[int]) -> Any:
-        """The point as a local submitit job pinned to `gpus` (its CUDA_VISIBLE_DEVICES)."""
+    def _submit(self, idx: int, overrides: Sequence[str], gpus: list[int], cpus: Sequence[int] = ()) -> Any:
+        """The point as a local submitit job pinned to `gpus` (its CUDA_VISIBLE_DEVICES) and, when
+        given, to `cpus` (launch/cpus.ENV, which the job reads before it starts its worker)."""
         import submitit
 
         # The LocalExecutor itself: AutoExecutor refuses its `visible_gpus`. No requeue after a
@@ -111,8 +114,10 @@ class LocalLauncher(PluginLocalLauncher):
         queue = {k: v for k, v in self.params.items()  # the GPUs are this call's to give
                  if v is not None and k not in ("submitit_folder", "max_num_timeout", "gpus_per_node")}
         executor.update_parameters(**queue, gpus_per_node=len(gpus), visible_gpus=list(gpus))
-        return executor.submit(self, list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
-                               Singleton.get_state())
+        # submitit's local job takes this process's environment as it starts: the CPUs go in it
+        with _env(host_cpus.ENV, host_cpus.fmt(cpus) if cpus else None):
+            return executor.submit(self, list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
+                                   Singleton.get_state())
 
     def _collect(self, job: Any, overrides: Sequence[str]) -> JobReturn:
         """The job's return; a job killed outside Python (the host's OOM killer, kill -9) gets an
@@ -165,12 +170,13 @@ class GpuPoolLauncher(LocalLauncher):
         # A point wanting more GPUs than there are is invalid here, as the worker's own check would
         # find, without starting its ranks.
         returns = {p.idx: self._too_big(p, gpus) for p in points if p.on_gpu and p.wants > len(gpus)}
+        seats = host_cpus.plan(gpus, self.per_gpu, host_cpus.allowed(), near_cpus(gpus))  # CPUs of their own
         jobs = packed([p for p in points if p.idx not in returns], gpus, self._start, lambda job: job.done(), _stop,
-                      per_gpu=self.per_gpu)
+                      per_gpu=self.per_gpu, cpus=seats)
         with _sigterm_stops_the_points(), contextlib.closing(jobs):
-            for point, job, ids in jobs:
+            for point, job, lease in jobs:
                 returns[point.idx] = self._collect(job, point.overrides)
-                _show_done(point, f"{point.label}  GPU {_ids(ids)}", returns[point.idx])
+                _show_done(point, f"{point.label}  GPU {_ids(lease.ids)}", returns[point.idx])
         return [returns[p.idx] for p in points]
 
     def _point(self, idx: int, overrides: Sequence[str], host: int) -> Point:
@@ -190,10 +196,29 @@ class GpuPoolLauncher(LocalLauncher):
         _show_done(point, point.label, ret)
         return ret
 
-    def _start(self, point: Point, ids: list[int]) -> Any:
+    def _start(self, point: Point, lease: Lease) -> Any:
         point.submitted = datetime.now(timezone.utc).isoformat()
-        print(f"[running] {point.label}  GPU {_ids(ids)}", flush=True)
-        return self._submit(point.idx, point.overrides, ids)
+        print(f"[running] {point.label}  GPU {_ids(lease.ids)}  CPUs {host_cpus.fmt(lease.cpus)}", flush=True)
+        return self._submit(point.idx, point.overrides, lease.ids, lease.cpus)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> JobReturn:
+        """In the point's job: on its own CPUs before anything starts, then the plugin's job."""
+        host_cpus.pin_from_env()
+        return super().__call__(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str | None):
+    """os.environ[key] = value (None: unset) for the block, then as it was."""
+    before = os.environ.pop(key, None)
+    if value is not None:
+        os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+        if before is not None:
+            os.environ[key] = before
 
 
 def _ids(ids: Sequence[int]) -> str:
