@@ -3,6 +3,7 @@ technique on a tiny version of it (2 layers, hidden 64, the family's real struct
 predictor against MemTracker, and ablate's GPT-2 against transformers' on the same weights."""
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -35,7 +36,21 @@ TINY = {
 }
 
 
+# Families a user brings as model=hf with a model_type (no shipped config): what each needs beyond
+# _GQA's sizes at the same scale. Mixtral, Qwen3-MoE and OLMoE are mixtures of experts; Phi-3 and
+# SmolLM3 default to a padding id beyond a 128-token vocabulary.
+BROUGHT = {"qwen3": ["head_dim=16"], "smollm3": ["pad_token_id=null"], "gemma": ["head_dim=16"],
+           "gemma3_text": ["head_dim=16"], "phi": [], "phi3": ["pad_token_id=null"], "olmo": [], "olmo2": [],
+           "stablelm": [], "falcon": [], "starcoder2": [], "granite": [], "mixtral": ["num_local_experts=4"],
+           "qwen2_moe": [], "qwen3_moe": ["head_dim=16"], "olmoe": []}
+
+
 def tiny(name: str, *more: str) -> list[str]:
+    """A shipped config's name, or a model_type of BROUGHT (model=hf), at 2 layers, hidden 64 and 128 tokens."""
+    if name in BROUGHT:  # model=hf's config starts empty: every key is added (+)
+        keys = [*_GQA, *(f"model.config.{k}" for k in BROUGHT[name]), "model.config.num_hidden_layers=2",
+                "model.config.vocab_size=128"]
+        return ["model=hf", f"+model.config.model_type={name}", *(f"+{k}" for k in keys), *more]
     return [f"model={name}", *TINY[name], "model.config.num_hidden_layers=2", "model.config.vocab_size=128", *more]
 
 
@@ -79,10 +94,11 @@ def test_every_checkpoint_option_and_accumulation_keep_the_losses(name):
     assert all(map(torch.isfinite, torch.tensor(pure))) and pure[-1] < pure[0]
 
 
-@pytest.mark.parametrize("name", PUBLISHED)
+@pytest.mark.parametrize("name", [*PUBLISHED, *BROUGHT])
 def test_logits_are_the_heads_output_alone_as_the_chunked_loss_assumes(name):
     """loss=chunked takes the base model's last hidden states and the head (hf.PLAIN_HEAD): for
-    every shipped family, that is what transformers' own forward makes its logits from."""
+    every shipped family and every one listed, that is what transformers' own forward makes its
+    logits from."""
     from ablate.models.hf import PLAIN_HEAD
 
     family = instantiate(compose_config(tiny(name))["model"])
@@ -91,6 +107,64 @@ def test_logits_are_the_heads_output_alone_as_the_chunked_loss_assumes(name):
     model, idx = family.build(), torch.randint(0, 128, (2, 16))
     hidden = model.lm.base_model(input_ids=idx, use_cache=False).last_hidden_state
     torch.testing.assert_close(model.lm.get_output_embeddings()(hidden), model(idx)[0])
+
+
+def test_every_family_the_chunked_loss_accepts_is_checked_above():
+    from ablate.models.hf import PLAIN_HEAD
+
+    checked = {instantiate(compose_config(tiny(name))["model"]).hf_config.model_type for name in [*PUBLISHED, *BROUGHT]}
+    # HF GPT-2's logits are checked against ablate's GPT-2 (test_hf_gpt2_and_ablates_gpt2_give_the_same_logits...)
+    assert set(PLAIN_HEAD) - checked == {"gpt2"}
+
+
+@pytest.mark.parametrize("name", BROUGHT)
+def test_a_brought_family_keeps_its_losses_under_recompute_and_the_chunked_loss(name):
+    """A model_type without a shipped config, as a user brings it: its adapter's layer, attention
+    and MLP (a mixture of experts' block for Mixtral, Qwen-MoE and OLMoE) are what block, mlp and
+    selective-op recompute wrap, and the chunked and fused losses take its head."""
+    plain = losses(name)
+    assert all(map(math.isfinite, plain)) and plain[-1] != plain[0]  # it steps (3 steps: not always down)
+    for option in ("block", "mlp", "ops"):
+        assert losses(name, f"checkpoint={option}") == pytest.approx(plain, rel=1e-5), option
+    assert losses(name, "loss=fused", "loss.chunks=3") == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_mixture_of_experts_is_traced_close_to_its_measured_step(precision):
+    """transformers' experts multiply with torch's grouped GEMM, whose shape function refuses
+    anything but bf16: the trace runs them through transformers' fallback op (predict/trace.py)."""
+    from ablate.predict.trace import trace
+
+    overrides = [*tiny("mixtral"), "data.vocab_size=128", f"precision={precision}"]
+    base = ["device=cpu", "batch_size=8", "seq_len=32"]
+    real = measured(overrides, base)
+    pred = trace(compose_spec([*base, *overrides]))
+    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.05)
+
+
+def test_what_a_family_cannot_do_is_invalid_and_names_the_key():
+    def refused(*overrides: str) -> str:
+        with pytest.raises(Invalid) as e:
+            check_config(compose_spec([*overrides, "data.vocab_size=128"]), "cpu")
+        return str(e.value)
+
+    # Gemma 2 has no sdpa kernel in transformers; the eager one trains
+    gemma2 = ["model=hf", "+model.config.model_type=gemma2", *(f"+{k}" for k in _GQA), "+model.config.head_dim=16",
+              "+model.config.num_hidden_layers=2", "+model.config.vocab_size=128"]
+    assert refused(*gemma2) == ("model.attn_implementation=sdpa: transformers' Gemma2ForCausalLM has no sdpa "
+                                "attention; use model.attn_implementation=eager")
+    eager = train_nano([*gemma2, "data.vocab_size=128", "model.attn_implementation=eager"], steps=3)[0]
+    assert eager[-1] < eager[0]
+    # logits changed after the head: Gemma 2's softcapped always, Granite's divided when told to be
+    assert "model_type='gemma2' is not one checked" in refused(*gemma2, "model.attn_implementation=eager",
+                                                               "loss=chunked")
+    assert "model.config.logits_scaling=8.0 changes them after it: use loss=standard" in refused(
+        *tiny("granite", "+model.config.logits_scaling=8.0", "loss=fused"))
+    assert "model.config.model_type='vit' is not a causal LM in transformers" in refused(
+        "model=hf", "+model.config.model_type=vit")
+    # a padding id beyond a vocabulary made smaller: Phi-3's 32000 at 128 tokens
+    assert ("model.config.pad_token_id=32000 is not a row of the 128-token embedding (model.config.vocab_size): "
+            "give model.config.pad_token_id=null" in refused(*[k for k in tiny("phi3") if "pad_token_id" not in k]))
 
 
 def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
@@ -177,7 +251,7 @@ def test_synthetic_data_draws_from_the_models_vocabulary():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", PUBLISHED)
+@pytest.mark.parametrize("name", [*PUBLISHED, "mixtral", "qwen3"])  # + a mixture of experts, a brought family
 def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
     """The Done-when of bringing a model, as a user runs it: every checkpoint option, accumulation,
     pure bf16, DDP and FSDP (2 gloo ranks) on a tiny version of the family, through the CLI.

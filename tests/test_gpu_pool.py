@@ -232,7 +232,8 @@ def test_points_per_gpu_runs_a_sweeps_points_side_by_side_on_one_gpu(tmp_path):
     rows = results_under(tmp_path / "s")
     assert [r["status"] for r in rows] == ["ok", "ok"] and {r["env"]["cuda_visible_devices"] for r in rows} == {"0"}
     # one GPU's two slots: the host's CPUs halved between them, torch's threads one per CPU
-    assert sorted(r["env"]["cpus"] for r in rows) == sorted(cpus.fmt(c) for c in cpus.plan([0], 2, cpus.allowed()).values())
+    halves = cpus.plan([0], 2, cpus.allowed()).values()
+    assert sorted(r["env"]["cpus"] for r in rows) == sorted(cpus.fmt(c) for c in halves)
     assert all(r["env"]["cpu_threads"] == len(cpus.parse(r["env"]["cpus"])) for r in rows)
     times = [(datetime.fromisoformat(r["timing"]["started_at"]), datetime.fromisoformat(r["timing"]["finished_at"]))
              for r in rows]

@@ -29,10 +29,16 @@ from ablate.techniques import Invalid, Plan
 # the weights were saved in (the precision option decides the dtype here).
 _IGNORED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map")
 # Families whose logits are exactly lm_head(base model's last hidden states), which a loss that
-# takes the hidden states and the head (loss=chunked) relies on; tests/test_families.py checks each.
-# Others scale or cap their logits after the head (Gemma's softcapping, Cohere's logit_scale,
-# Granite's logits_scaling), so the chunked loss would be another loss for them.
-PLAIN_HEAD = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2")
+# takes the hidden states and the head (loss=chunked, fused) relies on; tests/test_families.py
+# checks each against transformers' own forward. Others scale or cap their logits after the head
+# in their own code (Cohere's logit_scale, Gemma 2's softcapping always on), so the chunked loss
+# would be another loss for them.
+PLAIN_HEAD = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3", "smollm3", "gemma", "gemma3_text", "phi",
+              "phi3", "olmo", "olmo2", "stablelm", "falcon", "starcoder2", "granite", "mixtral", "qwen2_moe",
+              "qwen3_moe", "olmoe")
+# Config keys by which a family of PLAIN_HEAD can still change its logits after the head, and the
+# value that leaves them as they are (Gemma 3's softcapping, Granite's divisor).
+LOGIT_KEYS = {"final_logit_softcapping": None, "logits_scaling": 1.0}
 # Families whose decoder layers are all built alike from the config (no per-layer sizes, no switch
 # from dense to mixture-of-experts MLPs at some index), so that a sample of two layers stands for
 # all of them (Family.layout): counting and the analytic predictor then build two layers, not all.
@@ -95,7 +101,9 @@ def find_adapter(model: CausalLM) -> Adapter:
     layer = model.get_submodule(layers)[0]
     children = dict(layer.named_children())
     attention = next((n for n, m in children.items() if type(m).__name__.endswith("Attention")), None)
-    mlp = next((n for n, m in children.items() if type(m).__name__.endswith("MLP")), None)
+    # the feed-forward block: an MLP, or a mixture of experts (Mixtral's SparseMoeBlock, Granite's MoE)
+    mlp = next((n for n, m in children.items() if type(m).__name__.lower().endswith(("mlp", "moe", "moeblock"))),
+               None)
     if attention is None or mlp is None:
         raise Invalid(f"model: no attention or MLP child in {type(layer).__name__} ({', '.join(children)})")
     tf = _transformers()
@@ -142,6 +150,10 @@ class HFCausalLM(Family):
             except (ArithmeticError, TypeError, AttributeError) as e:  # a key the config's own code chokes on
                 raise Invalid(f"model.config: transformers' {keys['model_type']} config rejects these keys: "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            if _transformers().AutoModelForCausalLM._model_mapping.get(type(self._hf_config), None) is None:
+                self._hf_config = None  # a vision model (vit), an encoder-decoder (t5): no causal LM class
+                raise Invalid(f"model.config.model_type={keys['model_type']!r} is not a causal LM in transformers "
+                              f"(AutoModelForCausalLM has no class for it): ablate trains decoder-only models")
         return self._hf_config
 
     def _file_config(self) -> dict[str, Any]:
@@ -156,6 +168,7 @@ class HFCausalLM(Family):
 
     def check(self, plan: Plan) -> None:
         c = self.hf_config
+        family = _transformers().AutoModelForCausalLM._model_mapping.get(type(c), None)
         # Again on the built config: a family's own names for the sizes (HF GPT-2's n_layer) reach
         # these only through its attribute_map.
         for key in _SIZES:
@@ -173,6 +186,17 @@ class HFCausalLM(Family):
             raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
                           f"model_type={c.model_type!r} "
                           f"is not one checked to be ({', '.join(PLAIN_HEAD)}): use loss=standard")
+        for key, neutral in LOGIT_KEYS.items():
+            if plan.chunked_loss and getattr(c, key, neutral) not in (neutral, None):
+                raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
+                              f"model.config.{key}={getattr(c, key)} changes them after it: use loss=standard")
+        if self.attn_implementation == "sdpa" and getattr(family, "_supports_sdpa", True) is False:
+            raise Invalid(f"model.attn_implementation=sdpa: transformers' {family.__name__} has no sdpa attention; "
+                          f"use model.attn_implementation=eager")
+        pad = getattr(c, "pad_token_id", None)
+        if isinstance(pad, int) and not 0 <= pad < c.vocab_size:  # the embedding's zeroed row: an assert inside torch
+            raise Invalid(f"model.config.pad_token_id={pad} is not a row of the {c.vocab_size}-token embedding "
+                          f"(model.config.vocab_size): give model.config.pad_token_id=null or an id below it")
         kv = getattr(c, "num_key_value_heads", None)
         if heads and kv and heads % kv:
             raise Invalid(f"model.config.num_attention_heads={heads} is not divisible by "
@@ -197,8 +221,14 @@ class HFCausalLM(Family):
 
     def _build(self, config) -> CausalLM:
         tf = _transformers()
-        lm = tf.AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
-                                                 dtype=torch.get_default_dtype())
+        try:
+            lm = tf.AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
+                                                     dtype=torch.get_default_dtype())
+        except ValueError as e:  # a kernel the family does not support (Gemma 2 and sdpa)
+            if "attention implementation" not in str(e) and "attn_implementation" not in str(e):
+                raise
+            raise Invalid(f"model.attn_implementation={self.attn_implementation}: "
+                          f"{str(e).splitlines()[0].split('. ')[0]} (valid: sdpa, eager)") from None
         return CausalLM(lm)
 
     @property
