@@ -183,7 +183,7 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
         assert row["metrics"]["losses"] == pytest.approx(plain, rel=1e-4), parallel
 
 
-@pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m"])
+@pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3"])
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])
 @pytest.mark.parametrize("precision,accumulation", [
     ("fp32", "none"), ("bf16_pure", "none"),

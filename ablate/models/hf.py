@@ -43,7 +43,7 @@ LOGIT_KEYS = {"final_logit_softcapping": None, "logits_scaling": 1.0}
 # from dense to mixture-of-experts MLPs at some index), so that a sample of two layers stands for
 # all of them (Family.layout): counting and the analytic predictor then build two layers, not all.
 # Any other family is built whole.
-UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2")
+UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3")
 
 
 def _transformers():

@@ -4,7 +4,8 @@ A family's layer is described by its sizes (`Arch`, read from the model option) 
 giving the bytes it keeps for backward beyond its input. Three layouts cover the shipped families:
 - gpt2: ablate's GPT-2 (LayerNorm, fused qkv, GELU MLP of 4h, learned positions, tied head).
 - llama: Llama, Qwen2, Mistral as transformers writes them (RMSNorm, separate q/k/v projections
-  with grouped-query K/V heads, rotary, SwiGLU MLP of three matrices, tied or untied head).
+  with grouped-query K/V heads, rotary, SwiGLU MLP of three matrices, tied or untied head); Qwen3
+  is this layer with an RMSNorm on each query and key head (qk_norm).
 - neox: GPT-NeoX / Pythia (LayerNorm, fused qkv, partial rotary, attention and MLP in parallel
   off one residual, GELU MLP, untied head).
 Any other layout raises Unmodelled, and the job falls back to predict=trace.
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from ablate.predict.timeline import Unmodelled
 from ablate.techniques import checkpoint as ckpt
 
-LLAMA_LIKE = ("llama", "qwen2", "mistral")
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3")
+QK_NORM = ("qwen3",)  # an RMSNorm over head_dim on q and on k, before rotary
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Arch:
     vocab: int
     tied: bool  # the LM head is the token embedding
     head_rows: int  # the LM head's rows: vocab, or more where GPT-2's pad_vocab_to pads them
+    qk_norm: bool = False  # Qwen3: q and k each normalised per head (QK_NORM)
 
 
 def arch_of(family) -> Arch:
@@ -54,11 +57,13 @@ def arch_of(family) -> Arch:
     hf = getattr(family, "hf_config", None)
     kind = getattr(hf, "model_type", None)
     if kind in LLAMA_LIKE or kind == "gpt_neox":
+        if "sliding_attention" in (getattr(hf, "layer_types", None) or ()):  # SDPA then takes a (T, T) mask
+            raise Unmodelled(f"no analytic memory model for model_type={kind} with sliding-window layers")
         heads = hf.num_attention_heads
         return Arch("llama" if kind in LLAMA_LIKE else "neox", hf.num_hidden_layers, hf.hidden_size, heads,
                     getattr(hf, "num_key_value_heads", None) or heads,
                     getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size,
-                    tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size)
+                    tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=kind in QK_NORM)
     raise Unmodelled(f"no analytic memory model for model_type={kind or type(family).__name__}")
 
 
@@ -78,6 +83,8 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int) -
             saved -= parts["attn"]
         if "layernorm" in option.types:  # what a norm keeps beyond its input
             saved -= parts["norm"]
+            if "attention" not in option.types:  # Qwen3's q/k norms: wrapped inside attention only when it is not
+                saved -= parts.get("qk_norm", 0.0)
         return saved, full  # a wrapped Linear or activation keeps exactly what it kept before
     if isinstance(option, ckpt.NoCheckpoint):
         return full, full
@@ -117,13 +124,20 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
     attn = (q + 2 * kv + q) * c + lse  # q, k after rotary; v; SDPA out; lse
     mlp = 4 * sb * a.inter * c
+    # Qwen3's q_norm and k_norm (RMSNorm over each head): the projection's output in fp32 (itself
+    # in fp32, else a copy), the rsqrt (one fp32 per token and head) and the normalised heads in
+    # the projection's dtype, which the weight multiplies. Recomputed, such a norm keeps only its
+    # input, which the projection makes anyway (c).
+    qk = (q + kv) * (4 + c) + sb * (a.heads + a.kv_heads) * 4 if a.qk_norm else 0
+    qk_recomputed = qk - (q + kv) * c if a.qk_norm else 0
+    attn += qk
     # Under autocast on an fp32 stream (r != c) each projection casts the norm's output itself
     # (autocast caches casts of weights only): q, k and v keep 3 copies of ln_1's, gate and up 2 of ln_2's.
     outs = (3 + 2 if r != c else 1 + 1) * sbh * c
     full = sbh * (4 - r) + 2 * norm + outs + attn + sbh * 4 + mlp
     # A recomputed RMSNorm keeps only its input (r): its fp32 copy (when r != 4) goes too, and the
     # input it keeps is one that would have been kept or copied anyway.
-    return full, {"attn": attn, "mlp": mlp, "norm": 2 * (sbh * 4 + rsqrt),
+    return full, {"attn": attn, "mlp": mlp, "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA, gate and up, down
                   "matmul": (q + 2 * kv + q + 2 * sbh) * c + lse + 2 * sb * a.inter * c}
 
