@@ -205,12 +205,13 @@ def _moe_grouped_mm() -> Iterator[None]:
     tensors in any dtype.
 
     transformers multiplies each expert's tokens with torch's grouped GEMM, whose CPU kernel takes
-    fp32 but whose shape function (the one a fake tensor runs) refuses all but bf16, as the CUDA
-    kernel does. Where it would refuse, the experts take transformers' own fallback op instead:
-    the same matmuls one expert at a time, with the shape function transformers registers for
-    torch.compile; what its backward keeps is what the grouped GEMM's keeps (its inputs). A tiny
-    Mixtral's traced peak on a CPU: within 3% of the real step's (tests/test_families.py). Only
-    where transformers is already imported (an HF model's config was read) and has this function."""
+    fp32 but whose shape function (the one a fake tensor runs) refuses all but bf16 (whether the
+    CUDA kernel takes fp32 is not yet seen here). Where it would refuse, the experts take
+    transformers' own fallback op instead: the same matmuls one expert at a time, with the shape
+    function transformers registers for torch.compile, keeping its inputs for backward as the
+    grouped GEMM does. A tiny Mixtral's traced peak on a CPU: within 3% of the real step's
+    (tests/test_families.py). Only where transformers is already imported (an HF model's config
+    was read) and has this function."""
     import importlib
     import sys
 
