@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from ablate.events import EventWriter
-from launch import warm
+from launch import cpus, warm
 
 RDZV_PORT_BASE = 29400  # multi-node: port on the first node, offset by the SLURM job id
 
@@ -39,9 +39,7 @@ def threads_per_rank(nproc: int) -> int:
     """CPU threads for each of a node's `nproc` ranks: this process's CPUs shared out. torchrun
     would set OMP_NUM_THREADS=1, which makes every rank's host work serial: the model's initial
     draws (ablate.model.normal_draws) and, under offload, the optimizer step that runs on the CPU."""
-    # Linux: the CPUs this job may use (a SLURM allocation's); elsewhere all of them
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // nproc)
+    return max(1, len(cpus.allowed()) // nproc)  # a SLURM allocation's, a gpu_pool point's share
 
 
 def main(spec_path: str) -> int:

@@ -56,6 +56,11 @@ def _transformers():
     return transformers
 
 
+def _causal_lm_class(config):
+    """The transformers class AutoModelForCausalLM builds for `config`; None for a family with none."""
+    return _transformers().AutoModelForCausalLM._model_mapping.get(type(config), None)
+
+
 # Sizes a config must give as positive counts (transformers checks few of them itself).
 _SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
           "intermediate_size")
@@ -150,7 +155,7 @@ class HFCausalLM(Family):
             except (ArithmeticError, TypeError, AttributeError) as e:  # a key the config's own code chokes on
                 raise Invalid(f"model.config: transformers' {keys['model_type']} config rejects these keys: "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-            if _transformers().AutoModelForCausalLM._model_mapping.get(type(self._hf_config), None) is None:
+            if _causal_lm_class(self._hf_config) is None:
                 self._hf_config = None  # a vision model (vit), an encoder-decoder (t5): no causal LM class
                 raise Invalid(f"model.config.model_type={keys['model_type']!r} is not a causal LM in transformers "
                               f"(AutoModelForCausalLM has no class for it): ablate trains decoder-only models")
@@ -168,7 +173,6 @@ class HFCausalLM(Family):
 
     def check(self, plan: Plan) -> None:
         c = self.hf_config
-        family = _transformers().AutoModelForCausalLM._model_mapping.get(type(c), None)
         # Again on the built config: a family's own names for the sizes (HF GPT-2's n_layer) reach
         # these only through its attribute_map.
         for key in _SIZES:
@@ -190,6 +194,7 @@ class HFCausalLM(Family):
             if plan.chunked_loss and getattr(c, key, neutral) not in (neutral, None):
                 raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
                               f"model.config.{key}={getattr(c, key)} changes them after it: use loss=standard")
+        family = _causal_lm_class(c)
         if self.attn_implementation == "sdpa" and getattr(family, "_supports_sdpa", True) is False:
             raise Invalid(f"model.attn_implementation=sdpa: transformers' {family.__name__} has no sdpa attention; "
                           f"use model.attn_implementation=eager")
