@@ -3,6 +3,7 @@ technique on a tiny version of it (2 layers, hidden 64, the family's real struct
 predictor against MemTracker, and ablate's GPT-2 against transformers' on the same weights."""
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -132,6 +133,36 @@ def test_a_brought_family_keeps_its_losses_under_recompute_and_the_chunked_loss(
     for option in ("block", "mlp", "ops"):
         assert losses(name, f"checkpoint={option}") == pytest.approx(plain, rel=1e-5), option
     assert losses(name, "loss=fused", "loss.chunks=3") == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_selective_recompute_keeps_the_experts_matmuls(fallback):
+    """checkpoint=ops keeps every matmul's output, the experts' grouped matmuls included (torch's
+    op, or the loop transformers falls back on, which the trace runs for experts not in bf16):
+    no expert multiplies twice, as under checkpoint=none; block recompute does run them again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ablate.build import build_model
+    from ablate.predict.trace import _moe_grouped_mm
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func.name() in ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+            return func(*args, **(kwargs or {}))
+
+    def grouped_matmuls(checkpoint: str) -> int:
+        t = check_config(compose_spec([*tiny("mixtral"), "data.vocab_size=128", f"checkpoint={checkpoint}"]), "cpu")
+        model, idx = build_model(t, torch.device("cpu")), torch.randint(0, 128, (2, 16))
+        with _moe_grouped_mm() if fallback else contextlib.nullcontext(), Count() as count:
+            model(idx, idx)[1].backward()
+        return count.calls
+
+    none = grouped_matmuls("none")
+    assert none > 0 and grouped_matmuls("ops") == none < grouped_matmuls("block")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -103,17 +103,22 @@ class Sublayer(_Recompute):
 
 # Ops whose outputs selective recompute keeps: the matmuls and attention, costly to redo.
 # The forward SDPA kernels differ by device (CUDA flash / efficient / cuDNN, the CPU flash one).
-_SAVE_NAMES = ("mm", "addmm", "bmm", "linear", "_scaled_dot_product_flash_attention",
+# _grouped_mm is a mixture of experts' matmul (transformers runs all experts of a layer as one).
+_SAVE_NAMES = ("mm", "addmm", "bmm", "linear", "_grouped_mm", "_scaled_dot_product_flash_attention",
                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                "_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_fused_attention_overrideable")
 _SAVE = {getattr(torch.ops.aten, n) for n in _SAVE_NAMES if hasattr(torch.ops.aten, n)}
+# transformers' loop over the experts, which it runs where torch's grouped matmul cannot (and the
+# trace runs for experts not in bf16): by name, since transformers registers it only when imported.
+_SAVE_CUSTOM = ("transformers::grouped_mm_fallback",)
 
 
 def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Selective-checkpoint policy: keep matmul and attention outputs, recompute everything else."""
     packet = getattr(op, "overloadpacket", None)
-    return CheckpointPolicy.MUST_SAVE if packet in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = packet in _SAVE or getattr(op, "name", lambda: "")() in _SAVE_CUSTOM
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class SelectiveOps(_Recompute):
