@@ -23,7 +23,8 @@ from tests.test_predict import measured
 # Parameter counts of the published models (their model cards and transformers agree).
 PUBLISHED = {"llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "smollm2-135m": 134_515_008,
              "pythia-160m": 162_322_944, "mistral-7b": 7_241_732_096,
-             "qwen3-0.6b": 596_049_920}  # its card: 0.6B, and 0.44B less the 155,582,464 of the embedding
+             "qwen3-0.6b": 596_049_920,  # its card: 0.6B, and 0.44B less the 155,582,464 of the embedding
+             "mixtral-8x7b": 46_702_792_704}  # its card: 46.7B, 12.9B of them a token's
 _GQA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
         "model.config.num_key_value_heads=2"]
 # Each family at 2 layers and hidden 64, with its own structure (grouped-query heads, SwiGLU, RMSNorm,
@@ -32,6 +33,7 @@ TINY = {
     "llama3.2-1b": [*_GQA, "model.config.head_dim=16"],
     "qwen2.5-0.5b": _GQA,
     "qwen3-0.6b": [*_GQA, "model.config.head_dim=16"],
+    "mixtral-8x7b": [*_GQA, "model.config.num_local_experts=4"],
     "smollm2-135m": _GQA,
     "mistral-7b": _GQA,
     "pythia-160m": ["model.config.hidden_size=64", "model.config.intermediate_size=256",
@@ -70,6 +72,33 @@ def test_parameter_counts_equal_transformers(name):
         assert (round(theirs / 1e9, 1), round((theirs - embedding) / 1e9, 2)) == (0.6, 0.44)
 
 
+def test_a_token_counts_the_experts_it_is_routed_through():
+    """PaLM's N (flops_params, for MFU) is what a token multiplies by: of a mixture of experts,
+    num_experts_per_tok of its experts. Mixtral 8x7B's card: 12.9B of its 46.7B parameters (the
+    embedding, a lookup, among them). Recompute shares (HFU) count experts alike: the MoE block
+    holds no Linear, so before this its recompute counted as nothing."""
+    from ablate.techniques.checkpoint import Sublayer
+
+    family = instantiate(compose_config(["model=mixtral-8x7b"])["model"])
+    c = family.hf_config
+    experts = c.num_hidden_layers * c.num_local_experts * 3 * c.hidden_size * c.intermediate_size
+    embedding = c.vocab_size * c.hidden_size
+    assert family.flops_params() == family.num_params() - embedding - experts * 3 // 4  # 2 of 8
+    assert round((family.flops_params() + embedding) / 1e9, 1) == 12.9
+    tiny_family = instantiate(compose_config(tiny("mixtral-8x7b"))["model"])
+    a = tiny_family.adapter
+    fraction = {}
+    for part in ("attn", "mlp"):
+        option = Sublayer(part)
+        option.apply(tiny_family.build(), a)
+        fraction[part] = option.recompute_fraction
+    model = tiny_family.build()
+    routed = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in model.modules() if type(m).__name__ == "MixtralExperts") / 2
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert fraction["mlp"] == pytest.approx(routed / (linear + routed))  # 2 of 4 experts
+    assert fraction["mlp"] > fraction["attn"] > 0
+
+
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_the_adapter_finds_every_part(name):
     family = instantiate(compose_config(tiny(name))["model"])
@@ -77,7 +106,7 @@ def test_the_adapter_finds_every_part(name):
     layers = a.layer_list(model)
     assert len(layers) == 2 and type(layers[0]).__name__ in model.lm._no_split_modules
     assert type(getattr(layers[0], a.attention)).__name__.endswith("Attention")
-    assert type(getattr(layers[0], a.mlp)).__name__.endswith("MLP")
+    assert type(getattr(layers[0], a.mlp)).__name__.endswith(("MLP", "SparseMoeBlock"))
     assert a.norms and a.activations
     assert model.get_submodule(a.lm_head) is model.lm.get_output_embeddings()
     assert model.get_submodule(a.embedding) is model.lm.get_input_embeddings()
@@ -287,7 +316,7 @@ def test_synthetic_data_draws_from_the_models_vocabulary():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*PUBLISHED, "mixtral"])  # + a mixture of experts
+@pytest.mark.parametrize("name", PUBLISHED)  # mixtral-8x7b: a mixture of experts
 def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
     """The Done-when of bringing a model, as a user runs it: every checkpoint option, accumulation,
     pure bf16, DDP and FSDP (2 gloo ranks) on a tiny version of the family, through the CLI.

@@ -55,7 +55,9 @@ def test_deferred_init_draws_what_transformers_draws_and_the_same_on_any_thread_
             torch.testing.assert_close(ours[key], want, msg=key)
         else:  # drawn: the same N(0, std), other values
             assert not torch.equal(ours[key], want), key
-            assert ours[key].float().std().item() == pytest.approx(want.float().std().item(), rel=0.05), key
+            # two sample stds of n draws differ by ~1/sqrt(n) (Mixtral's router: 1,024 draws, 3%): 4 of those
+            rel = max(0.05, 4 / want.numel() ** 0.5)
+            assert ours[key].float().std().item() == pytest.approx(want.float().std().item(), rel=rel), key
             assert ours[key].float().mean().item() == pytest.approx(0, abs=0.01), key
 
 

@@ -42,6 +42,23 @@ class Adapter:
     embedding: str  # the token embedding
     position_embedding: str | None = None  # learned positions (GPT-2's wpe); None with rotary
     linears: tuple[type, ...] = (nn.Linear,)  # HF GPT-2's Conv1D is one too
+    # A mixture of experts' containers of expert weights ((experts, out, in) tensors, multiplied by
+    # a grouped matmul, not a Linear) and the share of them a token multiplies by: top-k / experts.
+    experts: tuple[type, ...] = ()
+    routed: float = 1.0
+
+    def matmul_weights(self, modules) -> float:
+        """Weight elements a token multiplies by inside `modules` (half its matmul FLOPs): each
+        Linear's, and the routed share of the experts' weights."""
+        linear = sum(m.weight.numel() for root in modules for m in root.modules() if isinstance(m, self.linears))
+        experts = sum(p.numel() for root in modules for m in root.modules() if isinstance(m, self.experts)
+                      for p in m.parameters(recurse=False))
+        return linear + self.routed * experts
+
+    def expert_names(self, model: nn.Module) -> set[str]:
+        """The names of `model`'s expert weights."""
+        return {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, self.experts)
+                for p, _ in m.named_parameters(recurse=False)}
 
     def layer_list(self, model: nn.Module) -> nn.ModuleList:
         # getattr, not get_submodule: torch.compile's OptimizedModule forwards attributes to the
@@ -136,6 +153,10 @@ class ParamLayout:
         rests = [name[len(two.prefix) + 2:] for name in two.layer_names[0]]  # past "<prefix>0."
         return cls(two.model, two.prefix, {name: two.shapes[seen] for name, seen in pairs},
                    [[f"{two.prefix}{i}.{rest}" for rest in rests] for i in range(n)], sampled=True)
+
+    def layer_rest(self, name: str) -> str:
+        """A layer's parameter name past its "<prefix><i>.": the same in every layer."""
+        return name[len(self.prefix):].split(".", 1)[1]
 
     def groups(self, param_groups: Callable[[nn.Module], list[dict]]) -> list[list[str]] | None:
         """`param_groups(model)`'s groups (an optimizer option's) as the whole model's parameter
@@ -239,11 +260,17 @@ class Family(Option, abc.ABC):
         """N of the PaLM FLOPs count: the parameters a token's matmuls multiply by. Leaves out learned
         position embeddings, and an untied token embedding (a lookup, no matmul; the LM head's
         matrix is counted). A tied embedding is counted once, as the LM head."""
-        a, shapes = self.adapter, self.layout.shapes  # tied: one name
+        a, layout = self.adapter, self.layout
+        shapes = layout.shapes  # tied: one name
         skip = {f"{a.position_embedding}.weight"} if a.position_embedding else set()
         if f"{a.lm_head}.weight" in shapes:  # untied (named_parameters lists a shared tensor once)
             skip.add(f"{a.embedding}.weight")
-        return sum(math.prod(s) for n, s in shapes.items() if n not in skip)
+        # A mixture of experts' weights count as the share a token is routed through (Mixtral 8x7B:
+        # 2 of 8 experts, 12.9B of 46.7B parameters). Read off layer 0 of the model the layout read.
+        experts = {layout.layer_rest(n) for n in a.expert_names(layout.model) if n.startswith(layout.prefix)}
+        in_experts = sum(math.prod(s) for n, s in shapes.items()
+                         if n.startswith(layout.prefix) and layout.layer_rest(n) in experts)
+        return sum(math.prod(s) for n, s in shapes.items() if n not in skip) - round(in_experts * (1 - a.routed))
 
     def dims(self) -> tuple[int, int]:
         """(layers, hidden size): the attention term of the PaLM FLOPs count."""

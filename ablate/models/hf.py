@@ -115,13 +115,19 @@ def find_adapter(model: CausalLM) -> Adapter:
     activations = {type(m) for m in children[mlp].modules() if type(m).__module__ == tf.activations.__name__
                    or isinstance(m, (nn.GELU, nn.SiLU, nn.ReLU))}
     norms = {type(m) for m in model.modules() if "Norm" in type(m).__name__}
+    # A mixture of experts keeps its experts' weights as (experts, out, in) tensors of one module;
+    # each token is routed through num_experts_per_tok of them.
+    experts = [m for m in children[mlp].modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    routed = lm.config.num_experts_per_tok / next(p for p in experts[0].parameters() if p.dim() == 3).shape[0] \
+        if experts else 1.0
     embedding = names[id(lm.get_input_embeddings())]
     positions = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and n != embedding
                  and m.num_embeddings == getattr(lm.config, "max_position_embeddings", None)]
     return Adapter(layers=layers, attention=attention, mlp=mlp, norms=tuple(norms), activations=tuple(activations),
                    lm_head=names[id(lm.get_output_embeddings())], embedding=embedding,
                    position_embedding=positions[0] if positions else None,
-                   linears=(nn.Linear, tf.pytorch_utils.Conv1D))
+                   linears=(nn.Linear, tf.pytorch_utils.Conv1D), experts=tuple({type(m) for m in experts}),
+                   routed=routed)
 
 
 class HFCausalLM(Family):

@@ -6,8 +6,9 @@ The modules are found through the model family's adapter (ablate/models/): its r
 their attention and MLP, its norm and activation classes, for any family.
 
 `recompute_fraction` (for HFU) is the share of the model's forward FLOPs run again in backward,
-estimated from matmul weights: sum of Linear weight sizes inside the recomputed modules over the
-sum of all Linear weight sizes (the LM head included). An approximation: SDPA and pointwise FLOPs are
+estimated from matmul weights: the weights a token multiplies by inside the recomputed modules over
+those of the whole model (Adapter.matmul_weights: every Linear, the LM head included, and a mixture
+of experts' routed share). An approximation: SDPA and pointwise FLOPs are
 ignored, and torch's early stop may skip a wrapped module's last matmul when nothing after it is
 needed in backward (the estimate counts it), so the true recompute is at most this figure.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,11 +36,6 @@ class NoCheckpoint(Option):
         return model
 
 
-def linear_weights(modules: Iterable[nn.Module], linears: tuple[type, ...]) -> int:
-    """Elements of the linear weights inside `modules`: 1/2 of their matmul FLOPs per token."""
-    return sum(m.weight.numel() for root in modules for m in root.modules() if isinstance(m, linears))
-
-
 class _Recompute(NoCheckpoint, abc.ABC):
     """Shared glue: pick (parent, name) pairs, wrap each module, estimate recompute_fraction."""
 
@@ -54,7 +50,7 @@ class _Recompute(NoCheckpoint, abc.ABC):
         targets = self._targets(model, adapter)
         chosen = [getattr(parent, name) for parent, name in targets]
         # 2 * weights FLOPs per token for each matmul; the factor 2 cancels in the ratio.
-        self.recompute_fraction = linear_weights(chosen, adapter.linears) / linear_weights([model], adapter.linears)
+        self.recompute_fraction = adapter.matmul_weights(chosen) / adapter.matmul_weights([model])
         for (parent, name), module in zip(targets, chosen):
             setattr(parent, name, self._wrap(module))  # ModuleList accepts "0", "1", ... as names
         return model

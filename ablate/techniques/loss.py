@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ablate.techniques import Invalid, Option, Plan
-from ablate.techniques.checkpoint import linear_weights
 
 
 class Standard(Option):
@@ -54,10 +53,10 @@ class Chunked(Standard):
 
     def attach(self, model: nn.Module, adapter) -> None:
         model.loss_fn = self
-        # The head's matmul runs again in backward: its share of the Linear weights, as the
+        # The head's matmul runs again in backward: its share of the matmul weights, as the
         # checkpoint options count theirs (ablate/techniques/checkpoint.py).
         head = model.get_submodule(adapter.lm_head).weight.numel()
-        self.recompute_fraction = head / linear_weights([model], adapter.linears)
+        self.recompute_fraction = head / adapter.matmul_weights([model])
 
     def __call__(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
                  vocab: int | None = None) -> torch.Tensor:
