@@ -47,7 +47,8 @@ TINY = {
 BROUGHT = {"qwen3": ["head_dim=16"], "smollm3": ["pad_token_id=null"], "gemma": ["head_dim=16"],
            "gemma3_text": ["head_dim=16"], "phi": [], "phi3": ["pad_token_id=null"], "olmo": [], "olmo2": [],
            "stablelm": [], "falcon": [], "starcoder2": [], "granite": [], "mixtral": ["num_local_experts=4"],
-           "qwen2_moe": [], "qwen3_moe": ["head_dim=16"], "olmoe": []}
+           "qwen2_moe": ["num_experts=8", "moe_intermediate_size=32", "shared_expert_intermediate_size=64"],
+           "qwen3_moe": ["head_dim=16", "num_experts=8", "moe_intermediate_size=32"], "olmoe": ["num_experts=8"]}
 
 
 def tiny(name: str, *more: str) -> list[str]:
@@ -248,7 +249,8 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
         assert row["metrics"]["losses"] == pytest.approx(plain, rel=1e-4), parallel
 
 
-@pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b"])
+@pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b",
+                                  "mixtral-8x7b", "qwen2_moe", "qwen3_moe", "olmoe"])  # + mixtures of experts
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])
 @pytest.mark.parametrize("precision,accumulation", [
     ("fp32", "none"), ("bf16_pure", "none"),
@@ -298,6 +300,23 @@ def test_a_family_the_analytic_model_does_not_describe_is_traced_and_says_so(tmp
     prediction = predicted(RunSpec.of(cfg))
     assert prediction.method == "trace" and prediction.peak_mib > 0
     assert "no analytic memory model for model_type=gpt2; predicting with predict=trace" in capsys.readouterr().err
+
+
+def test_a_mixture_with_dense_layers_among_its_experts_is_built_whole_and_traced(capsys):
+    """Qwen2-MoE's decoder_sparse_step=2 makes every other layer a dense MLP: no two-layer sample
+    stands for such a model, and the analytic model, whose layers are all alike, hands it to the trace."""
+    from ablate.outcome import predicted
+
+    cfg = compose_config([*tiny("qwen2_moe", "model.config.num_hidden_layers=4", "+model.config.decoder_sparse_step=2"),
+                          "data.vocab_size=128", "device=cpu", "batch_size=2", "seq_len=16"])
+    family = instantiate(cfg["model"])
+    assert not family.layout.sampled
+    mlps = [type(layer.mlp).__name__ for layer in family.adapter.layer_list(family.layout.model)]
+    assert mlps == ["Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock"] * 2
+    prediction = predicted(RunSpec.of(cfg))
+    assert prediction.method == "trace" and prediction.peak_mib > 0
+    assert "with dense layers among the experts' (mlp_only_layers, decoder_sparse_step); predicting with " \
+           "predict=trace" in capsys.readouterr().err
 
 
 def test_without_transformers_a_point_is_an_invalid_row_saying_what_to_install(monkeypatch):

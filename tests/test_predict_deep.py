@@ -18,12 +18,15 @@ from ablate.predict.analytic import analytic
 from ablate.spec import RunSpec
 from tests.helpers import compose_config
 
-# Tiny versions of two Hugging Face families (tests/test_families.py's), whose layer count is then set.
+# Tiny versions of three Hugging Face families (tests/test_families.py's), whose layer count is then set.
 HF = {"llama3.2-1b": ["model.config.hidden_size=64", "model.config.intermediate_size=128",
                       "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
                       "model.config.head_dim=16", "model.config.vocab_size=128", "data.vocab_size=128"],
       "pythia-160m": ["model.config.hidden_size=64", "model.config.intermediate_size=256",
-                      "model.config.num_attention_heads=4", "model.config.vocab_size=128", "data.vocab_size=128"]}
+                      "model.config.num_attention_heads=4", "model.config.vocab_size=128", "data.vocab_size=128"],
+      "mixtral-8x7b": ["model.config.hidden_size=64", "model.config.intermediate_size=128",
+                       "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+                       "model.config.num_local_experts=4", "model.config.vocab_size=128", "data.vocab_size=128"]}
 PARALLEL = {"single": [], "fsdp": ["parallel.nproc=2"]}
 
 
@@ -71,7 +74,7 @@ COMPACT = [dict(checkpoint="none", parallel="single", optimizer="adamw"),
            dict(checkpoint="layers", parallel="single", optimizer="adamw8bit", offload="optimizer", device="cuda"),
            dict(checkpoint="every2", parallel="single", optimizer="sgd", offload="params"), *EXTRA]
 CASES = [pytest.param(name, n, COMPACT, id=f"{name}-{n}")
-         for name, n in (("gpt-nano", 3), ("gpt-mini", 7), ("llama3.2-1b", 3), ("pythia-160m", 7))] \
+         for name, n in (("gpt-nano", 3), ("gpt-mini", 7), ("llama3.2-1b", 3), ("pythia-160m", 7), ("mixtral-8x7b", 3))] \
     + [pytest.param(name, n, GRID, id=f"{name}-{n}-grid", marks=pytest.mark.slow)
        for name in ("gpt-nano", "gpt-mini", *HF) for n in (1, 2, 3, 7)]
 

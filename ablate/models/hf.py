@@ -43,7 +43,7 @@ LOGIT_KEYS = {"final_logit_softcapping": None, "logits_scaling": 1.0}
 # from dense to mixture-of-experts MLPs at some index), so that a sample of two layers stands for
 # all of them (Family.layout): counting and the analytic predictor then build two layers, not all.
 # Any other family is built whole.
-UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3")
+UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 
 
 def _transformers():
@@ -252,6 +252,9 @@ class HFCausalLM(Family):
         are of more than one kind."""
         kinds = getattr(self.hf_config, "layer_types", None)
         if self.hf_config.model_type not in UNIFORM_LAYERS or len(set(kinds or ())) > 1:
+            return None
+        c = self.hf_config  # Qwen-MoE's dense layers among the experts': at chosen indices, or every n-th
+        if getattr(c, "mlp_only_layers", None) or (getattr(c, "decoder_sparse_step", None) or 1) != 1:
             return None
         config = copy.deepcopy(self.hf_config)
         config.num_hidden_layers = n

@@ -31,7 +31,7 @@ import torch
 
 from ablate.build import Techniques
 from ablate.predict import Prediction
-from ablate.predict.layers import Arch, arch_of, layer_saves, mlp_saves
+from ablate.predict.layers import Arch, arch_of, forward_temp, inner_temp, layer_saves, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import checkpoint as ckpt
@@ -104,13 +104,15 @@ def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
     layout, a = t.model.layout, t.model.adapter
     shapes = layout.shapes  # a tied weight once, under its first name
     inner = tuple(f"{layout.prefix}0.{part}." for part in (a.attention, a.mlp))
+    # A mixture of experts' weights multiply in their own dtype (grouped_mm is no autocast op): never cast.
+    experts = {layout.layer_rest(n) for n in a.expert_names(layout.model) if n.startswith(layout.prefix)}
     groups = [[shapes[n] for n in g] for g in t.model.param_groups(t.optimizer.param_groups)]
     lm_head = f"{a.lm_head}.weight"
     return Shapes(b=spec.batch_size // t.accumulation.steps, s=spec.seq_len, arch=arch,
                   param_numels={n: math.prod(s) for n, s in shapes.items()}, param_shapes=shapes, groups=groups,
                   layer_names=layout.layer_names, embedding=f"{a.embedding}.weight",
                   lm_head=lm_head if lm_head in shapes else None,
-                  linear_names=[n for n in layout.layer_names[0] if n.startswith(inner)])
+                  linear_names=[n for n in layout.layer_names[0] if n.startswith(inner) and layout.layer_rest(n) not in experts])
 
 
 def _local_shape(shape: tuple, world: int) -> tuple:
@@ -247,7 +249,8 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     z.r = z.c if fsdp_mp else BYTES[t.precision.param_dtype]
     # RMSNorm (llama) keeps an fp32 copy of any input.
     z.ln = 4 if sh.arch.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else z.r
-    z.inner_temp = (1 if sh.arch.kind == "neox" else 2) * sh.sb * sh.arch.inter * z.c  # GPT-2: d c_fc out and d GELU out, (B, T, 4C) each
+    g = BYTES[t.precision.autocast_dtype or t.precision.param_dtype] if _fsdp(t) else BYTES[t.precision.param_dtype]
+    z.inner_temp, z.forward_temp = inner_temp(sh.arch, sh.sb, z.c, z.r, g), forward_temp(sh.arch, sh.sb, z.r)
     part = t.checkpoint
     z.recompute_with_mlp = not (isinstance(part, ckpt.Layers) or (isinstance(part, ckpt.Sublayer) and part.part == "attn"))
     z.mlp_saved = mlp_saves(sh.arch, sh.sb, z.r, z.c, z.ln)

@@ -5,7 +5,9 @@ giving the bytes it keeps for backward beyond its input. Three layouts cover the
 - gpt2: ablate's GPT-2 (LayerNorm, fused qkv, GELU MLP of 4h, learned positions, tied head).
 - llama: Llama, Qwen2, Mistral as transformers writes them (RMSNorm, separate q/k/v projections
   with grouped-query K/V heads, rotary, SwiGLU MLP of three matrices, tied or untied head); Qwen3
-  is this layer with an RMSNorm on each query and key head (qk_norm).
+  is this layer with an RMSNorm on each query and key head (qk_norm). The mixtures of experts
+  Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are this layer with a routed block of SwiGLU experts in
+  place of the MLP (`_experts`).
 - neox: GPT-NeoX / Pythia (LayerNorm, fused qkv, partial rotary, attention and MLP in parallel
   off one residual, GELU MLP, untied head).
 Any other layout raises Unmodelled, and the job falls back to predict=trace.
@@ -25,8 +27,12 @@ from dataclasses import dataclass
 from ablate.predict.timeline import Unmodelled
 from ablate.techniques import checkpoint as ckpt
 
-LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3")
-QK_NORM = ("qwen3",)  # an RMSNorm over head_dim on q and on k, before rotary
+# Mixtures of experts as transformers 5 writes them, and the config key of one expert's width
+MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe": "moe_intermediate_size",
+       "qwen3_moe": "moe_intermediate_size"}
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", *MOE)
+# RMSNorm on q and on k before rotary: over each head's head_dim, or over the whole projection
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}
 
 
 @dataclass(frozen=True)
@@ -39,11 +45,15 @@ class Arch:
     heads: int
     kv_heads: int  # key/value heads (grouped-query attention); = heads without it
     head_dim: int
-    inter: int  # MLP hidden width (4h in GPT-2; SwiGLU's gate and up width in Llama)
+    inter: int  # MLP hidden width (4h in GPT-2; SwiGLU's gate and up width in Llama; one expert's)
     vocab: int
     tied: bool  # the LM head is the token embedding
     head_rows: int  # the LM head's rows: vocab, or more where GPT-2's pad_vocab_to pads them
-    qk_norm: bool = False  # Qwen3: q and k each normalised per head (QK_NORM)
+    qk_norm: str = ""  # QK_NORM's "head" or "proj"; "" without
+    experts: int = 0  # a mixture of experts' experts per layer; 0: a dense MLP
+    top_k: int = 0  # the experts each token is routed to
+    shared_inter: int = 0  # Qwen2-MoE's shared expert beside them: a dense SwiGLU MLP this wide
+    fp32_routing: bool = False  # Mixtral keeps the routing weights in fp32; the others cast them to the logits'
 
 
 def arch_of(family) -> Arch:
@@ -60,11 +70,28 @@ def arch_of(family) -> Arch:
         if "sliding_attention" in (getattr(hf, "layer_types", None) or ()):  # SDPA then takes a (T, T) mask
             raise Unmodelled(f"no analytic memory model for model_type={kind} with sliding-window layers")
         heads = hf.num_attention_heads
+        sizes = {"inter": hf.intermediate_size, **(_moe_sizes(hf) if kind in MOE else {})}
         return Arch("llama" if kind in LLAMA_LIKE else "neox", hf.num_hidden_layers, hf.hidden_size, heads,
                     getattr(hf, "num_key_value_heads", None) or heads,
-                    getattr(hf, "head_dim", None) or hf.hidden_size // heads, hf.intermediate_size, hf.vocab_size,
-                    tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=kind in QK_NORM)
+                    getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
+                    tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=QK_NORM.get(kind, ""), **sizes)
     raise Unmodelled(f"no analytic memory model for model_type={kind or type(family).__name__}")
+
+
+def _moe_sizes(hf) -> dict:
+    """A mixture of experts' Arch fields; Unmodelled where its layers are not all alike (dense
+    layers among the sparse ones) or its router does more than route."""
+    kind = hf.model_type
+    if getattr(hf, "mlp_only_layers", None) or (getattr(hf, "decoder_sparse_step", None) or 1) != 1:
+        raise Unmodelled(f"no analytic memory model for model_type={kind} with dense layers among the experts' "
+                         f"(mlp_only_layers, decoder_sparse_step)")
+    for key in ("router_jitter_noise", "clip_qkv"):  # in-place noise and clamps keep more
+        if getattr(hf, key, None):
+            raise Unmodelled(f"no analytic memory model for model_type={kind} with {key}={getattr(hf, key)}")
+    return {"experts": hf.num_experts, "top_k": hf.num_experts_per_tok,
+            "inter": getattr(hf, MOE[kind]),
+            "shared_inter": getattr(hf, "shared_expert_intermediate_size", None) or 0,
+            "fp32_routing": kind == "mixtral"}
 
 
 def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int) -> tuple[float, float]:
@@ -118,28 +145,81 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     autocast, rotary's q·cos promotes q to the stream's fp32, and SDPA keeps its own casts of q and k.
     Per layer: ln_1's fp32 input (a copy when r != 4: the layer input then dies), normalised and
     output; attention; x + attn in fp32 (kept by ln_2: itself when r == 4, else a copy); ln_2's
-    normalised and output; the MLP."""
+    normalised and output; the MLP (or a mixture of experts: `_experts`)."""
     sbh, q, kv = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.kv_heads * a.head_dim
     lse, rsqrt = sb * a.heads * 4, sb * 4
     norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
     attn = (q + 2 * kv + q) * c + lse  # q, k after rotary; v; SDPA out; lse
-    mlp = 4 * sb * a.inter * c
-    # Qwen3's q_norm and k_norm (RMSNorm over each head): the projection's output in fp32 (itself
-    # in fp32, else a copy), the rsqrt (one fp32 per token and head) and the normalised heads in
-    # the projection's dtype, which the weight multiplies. Recomputed, such a norm keeps only its
-    # input, which the projection makes anyway (c).
-    qk = (q + kv) * (4 + c) + sb * (a.heads + a.kv_heads) * 4 if a.qk_norm else 0
+    # q_norm and k_norm (RMSNorm over each head, or OLMoE's over the whole projection): the
+    # projection's output in fp32 (itself in fp32, else a copy), the rsqrt (one fp32 per token and
+    # head, or per token) and the normalised values in the projection's dtype, which the weight
+    # multiplies. Recomputed, such a norm keeps only its input, which the projection makes anyway (c).
+    rsqrts = {"head": sb * (a.heads + a.kv_heads) * 4, "proj": 2 * sb * 4}.get(a.qk_norm, 0)
+    qk = (q + kv) * (4 + c) + rsqrts if a.qk_norm else 0
     qk_recomputed = qk - (q + kv) * c if a.qk_norm else 0
     attn += qk
+    # SwiGLU: gate and up (each casting ln_2's output under autocast), down; or the experts
+    mlp, ln_2_casts, mlp_matmul = _experts(a, sb, r, c) if a.experts else (4 * sb * a.inter * c, 2, 2 * sb * a.inter * c + sbh * c)
     # Under autocast on an fp32 stream (r != c) each projection casts the norm's output itself
-    # (autocast caches casts of weights only): q, k and v keep 3 copies of ln_1's, gate and up 2 of ln_2's.
-    outs = (3 + 2 if r != c else 1 + 1) * sbh * c
+    # (autocast caches casts of weights only): q, k and v keep 3 copies of ln_1's, the MLP its own of ln_2's.
+    outs = (3 + ln_2_casts if r != c else 1 + 1) * sbh * c
     full = sbh * (4 - r) + 2 * norm + outs + attn + sbh * 4 + mlp
+    # Recomputed, the MLP keeps ln_2's output (r) in place of its casts of it (when r != c).
+    mlp_recomputed = mlp + (ln_2_casts * sbh * c - sbh * r if r != c else 0) if a.experts else mlp
     # A recomputed RMSNorm keeps only its input (r): its fp32 copy (when r != 4) goes too, and the
     # input it keeps is one that would have been kept or copied anyway.
-    return full, {"attn": attn, "mlp": mlp, "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
-                  # q/k/v and o projections, SDPA, gate and up, down
-                  "matmul": (q + 2 * kv + q + 2 * sbh) * c + lse + 2 * sb * a.inter * c}
+    return full, {"attn": attn, "mlp": mlp_recomputed, "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
+                  # q/k/v and o projections, SDPA; the MLP's
+                  "matmul": (q + 2 * kv + q + sbh) * c + lse + mlp_matmul}
+
+
+def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
+    """A mixture of experts as transformers 5 runs it (integrations/moe.py, grouped_mm): (bytes it
+    keeps beyond ln_2's output, the casts of that output it keeps under autocast, the bytes of its
+    matmuls' outputs). S = s·b·top_k (token, expert) pairs, sorted by expert.
+
+    The experts multiply in their weights' dtype, which is the stream's (r): grouped_mm is not an
+    autocast op, and transformers casts its input to the weights. They keep the gathered input
+    (S·h), the gate_up output (S·2i), SiLU's output and the product (S·i each), and the down
+    output (S·h) for the routing weights' multiply, with those weights (S) and three int64
+    permutations of S (the sort, token of each pair, inverse). The router keeps its fp32 softmax
+    (s·b·experts), top-k's indices, and where it renormalises the top-k weights (Mixtral always,
+    the others with norm_topk_prob; counted always) them and their sum. Qwen2-MoE's shared expert
+    is a SwiGLU MLP (4·s·b·shared, in c) whose output its sigmoid gate multiplies."""
+    S, h, i = sb * a.top_k, a.hidden, a.inter
+    weights = 4 if a.fp32_routing else c
+    experts = S * (2 * h + 4 * i) * r + S * weights + 3 * S * 8
+    router = sb * a.experts * 4 + sb * a.top_k * (8 + 4) + sb * 4
+    shared = 4 * sb * a.shared_inter * c + sb * h * c + sb * c if a.shared_inter else 0
+    casts = 1 + (3 if a.shared_inter else 0)  # the router's linear; the shared expert's gate, up and gate
+    # outputs of the router's linear (c), gate_up and down (r), and the shared expert's gate, up, down and gate
+    matmul = sb * a.experts * c + S * (2 * i + h) * r + ((2 * a.shared_inter + h) * sb * c + sb * c if a.shared_inter else 0)
+    return experts + router + shared, casts, matmul
+
+
+def forward_temp(a: Arch, sb: int, r: int) -> float:
+    """Made and dropped inside a layer's forward even when it keeps everything (bytes): a mixture
+    of experts' routing-weighted outputs, (S, h), and their copy put back in token order (for
+    Mixtral in fp32, its routing weights' dtype). A dense MLP's all stay for backward: 0."""
+    return 2 * sb * a.top_k * a.hidden * (4 if a.fp32_routing else r) if a.experts else 0.0
+
+
+def inner_temp(a: Arch, sb: int, c: int, r: int, g: int) -> float:
+    """The MLP's widest tensors alive together inside a layer's forward and backward (bytes), `g`
+    bytes per gradient element: GPT-2's gradients of c_fc's and GELU's outputs (s·b·4h each),
+    Llama's of gate's and up's. A mixture of experts', the largest of (measured on CPU, tiny
+    Mixtral, Qwen-MoE, OLMoE):
+    - where its backward starts, three (S, h) gradients in the dtype the routing weights'
+      multiply made (fp32 with Mixtral's fp32 weights): the reordered one, the one before the
+      reorder, and the multiply's own;
+    - at gate_up's backward: the gradient of its output (S·2i) and both expert weights' whole
+      gradients, (experts, 3·i, h), less the down output and product already freed (S·(h + i));
+    - the shared expert's gate and up gradients, as Llama's."""
+    if a.experts:
+        S, h, i, weighted = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r
+        grads = a.experts * 3 * i * h * g
+        return max(3 * S * h * weighted, 2 * S * i * r + grads - S * (h + i) * r, 2 * sb * a.shared_inter * c)
+    return (1 if a.kind == "neox" else 2) * sb * a.inter * c
 
 
 def _neox(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:

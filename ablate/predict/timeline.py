@@ -78,6 +78,7 @@ class Sizes:
     embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
     rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
     inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
+    forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
@@ -143,6 +144,7 @@ class Step(LossPlay):
             tl.alloc("activations", self.z.block_cast)
             tl.transient("activations", min(full - saved, z.inner_temp))  # made and dropped inside
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
+            tl.transient("activations", z.forward_temp)  # with all the layer keeps alive
             if z.reshard:
                 self.release(z.block)
         # ln_f statistics and output (the head's input), then the head and the loss.
@@ -176,6 +178,8 @@ class Step(LossPlay):
             early = 0.0  # kept bytes freed before the recompute
             if z.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("activations", back)
+                if full > saved:  # what the recomputed forward makes and drops
+                    tl.transient("activations", z.forward_temp)
                 tl.transient("other", z.inner_temp)  # d c_fc out and d GELU out alive together
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
                 tl.transient("other", z.inner_temp)  # whose saved tensors are gone by then
