@@ -36,6 +36,7 @@ def peak_tflops(gpu_name: str | None, compute_dtype: str, override: float | None
     return None
 
 
-def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, seq_len: int) -> int:
-    """Model FLOPs per trained token, PaLM convention: 6N for the weights + 12 L H T for attention."""
-    return 6 * n_params_non_embedding + 12 * n_layer * n_embd * seq_len
+def flops_per_token(n_params_non_embedding: int, n_layer: int, width: int, seq_len: int) -> int:
+    """Model FLOPs per trained token, PaLM convention: 6N for the weights + 12 L H T for attention
+    (H: the attention's width, query heads x head_dim; QK^T and AV make 4·T·H forward)."""
+    return 6 * n_params_non_embedding + 12 * n_layer * width * seq_len

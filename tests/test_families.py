@@ -73,6 +73,14 @@ def test_parameter_counts_equal_transformers(name):
         assert (round(theirs / 1e9, 1), round((theirs - embedding) / 1e9, 2)) == (0.6, 0.44)
 
 
+def test_the_attention_flops_count_the_query_heads_width():
+    """PaLM's 12·L·H·T attention term takes H as the attention's width: Qwen3 0.6B's 16 query heads
+    of 128 are 2048 wide on its hidden size of 1024 (a third of its FLOPs per token at seq 2048)."""
+    widths = {name: instantiate(compose_config([f"model={name}"])["model"]).dims()
+              for name in ("qwen3-0.6b", "llama3.2-1b", "pythia-160m", "gpt2")}
+    assert widths == {"qwen3-0.6b": (28, 2048), "llama3.2-1b": (16, 2048), "pythia-160m": (12, 768), "gpt2": (12, 768)}
+
+
 def test_a_token_counts_the_experts_it_is_routed_through():
     """PaLM's N (flops_params, for MFU) is what a token multiplies by: of a mixture of experts,
     num_experts_per_tok of its experts. Mixtral 8x7B's card: 12.9B of its 46.7B parameters (the

@@ -273,6 +273,7 @@ class Family(Option, abc.ABC):
         return sum(math.prod(s) for n, s in shapes.items() if n not in skip) - round(in_experts * (1 - a.routed))
 
     def dims(self) -> tuple[int, int]:
-        """(layers, hidden size): the attention term of the PaLM FLOPs count."""
+        """(layers, attention width): the attention term of the PaLM FLOPs count. The width is the
+        query heads x head_dim, the hidden size here (GPT-2's heads split it)."""
         layout = self.layout
         return len(layout.layer_names), layout.model.get_submodule(self.adapter.embedding).weight.shape[1]

@@ -246,6 +246,13 @@ class HFCausalLM(Family):
     def n_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
+    def dims(self) -> tuple[int, int]:
+        """(layers, attention width): query heads x head_dim where the config sets a head_dim of
+        its own (Qwen3 0.6B: 16 x 128 = 2048 on a hidden size of 1024), else the hidden size."""
+        layers, hidden = super().dims()
+        heads, head_dim = getattr(self.hf_config, "num_attention_heads", None), getattr(self.hf_config, "head_dim", None)
+        return layers, heads * head_dim if heads and head_dim else hidden
+
     def with_layers(self, n: int) -> CausalLM | None:
         """The config with n layers: its per-layer attention kinds (Qwen2's `layer_types`) cut to
         n where they are all one kind; None for a family not in UNIFORM_LAYERS, or whose layers
