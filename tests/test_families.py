@@ -24,7 +24,8 @@ from tests.test_predict import measured
 PUBLISHED = {"llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "smollm2-135m": 134_515_008,
              "pythia-160m": 162_322_944, "mistral-7b": 7_241_732_096,
              "qwen3-0.6b": 596_049_920,  # its card: 0.6B, and 0.44B less the 155,582,464 of the embedding
-             "mixtral-8x7b": 46_702_792_704}  # its card: 46.7B, 12.9B of them a token's
+             "mixtral-8x7b": 46_702_792_704,  # its card: 46.7B, 12.9B of them a token's
+             "olmoe-1b-7b": 6_919_161_856}  # its card: 6.92B; its paper: 1.3B of them a token's
 _GQA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
         "model.config.num_key_value_heads=2"]
 # Each family at 2 layers and hidden 64, with its own structure (grouped-query heads, SwiGLU, RMSNorm,
@@ -34,6 +35,7 @@ TINY = {
     "qwen2.5-0.5b": _GQA,
     "qwen3-0.6b": [*_GQA, "model.config.head_dim=16"],
     "mixtral-8x7b": [*_GQA, "model.config.num_local_experts=4"],
+    "olmoe-1b-7b": [*_GQA, "model.config.num_experts=8"],
     "smollm2-135m": _GQA,
     "mistral-7b": _GQA,
     "pythia-160m": ["model.config.hidden_size=64", "model.config.intermediate_size=256",
@@ -84,7 +86,7 @@ def test_the_attention_flops_count_the_query_heads_width():
 def test_a_token_counts_the_experts_it_is_routed_through():
     """PaLM's N (flops_params, for MFU) is what a token multiplies by: of a mixture of experts,
     num_experts_per_tok of its experts. Mixtral 8x7B's card: 12.9B of its 46.7B parameters (the
-    embedding, a lookup, among them). Recompute shares (HFU) count experts alike: the MoE block
+    embedding, a lookup, among them); OLMoE's: 1.3B of 6.92B. Recompute shares (HFU) count experts alike: the MoE block
     holds no Linear, so before this its recompute counted as nothing."""
     from ablate.techniques.checkpoint import Sublayer
 
@@ -94,6 +96,9 @@ def test_a_token_counts_the_experts_it_is_routed_through():
     embedding = c.vocab_size * c.hidden_size
     assert family.flops_params() == family.num_params() - embedding - experts * 3 // 4  # 2 of 8
     assert round((family.flops_params() + embedding) / 1e9, 1) == 12.9
+    olmoe = instantiate(compose_config(["model=olmoe-1b-7b"])["model"])  # 8 of 64 experts
+    embedding = olmoe.hf_config.vocab_size * olmoe.hf_config.hidden_size
+    assert (round(olmoe.num_params() / 1e9, 2), round((olmoe.flops_params() + embedding) / 1e9, 1)) == (6.92, 1.3)
     tiny_family = instantiate(compose_config(tiny("mixtral-8x7b"))["model"])
     a = tiny_family.adapter
     fraction = {}
@@ -258,7 +263,7 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b",
-                                  "mixtral-8x7b", "qwen2_moe", "qwen3_moe", "olmoe"])  # + mixtures of experts
+                                  "mixtral-8x7b", "qwen2_moe", "qwen3_moe", "olmoe-1b-7b"])  # + mixtures of experts
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])
 @pytest.mark.parametrize("precision,accumulation", [
     ("fp32", "none"), ("bf16_pure", "none"),
