@@ -326,6 +326,11 @@ def test_a_mixture_with_dense_layers_among_its_experts_is_built_whole_and_traced
     assert not family.layout.sampled
     mlps = [type(layer.mlp).__name__ for layer in family.adapter.layer_list(family.layout.model)]
     assert mlps == ["Qwen2MoeMLP", "Qwen2MoeSparseMoeBlock"] * 2
+    # MFU's N: the experts of layers 1 and 3 at 4 of their 8, found though layer 0 has none
+    c = family.hf_config
+    experts = 2 * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
+    assert family.adapter.routed == 4 / 8
+    assert family.flops_params() == family.num_params() - c.vocab_size * c.hidden_size - experts // 2
     prediction = predicted(RunSpec.of(cfg))
     assert prediction.method == "trace" and prediction.peak_mib > 0
     assert "with dense layers among the experts' (mlp_only_layers, decoder_sparse_step); predicting with " \

@@ -116,8 +116,10 @@ def find_adapter(model: CausalLM) -> Adapter:
                    or isinstance(m, (nn.GELU, nn.SiLU, nn.ReLU))}
     norms = {type(m) for m in model.modules() if "Norm" in type(m).__name__}
     # A mixture of experts keeps its experts' weights as (experts, out, in) tensors of one module;
-    # each token is routed through num_experts_per_tok of them.
-    experts = [m for m in children[mlp].modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    # each token is routed through num_experts_per_tok of them. Any layer's MLP: some families
+    # start with dense layers (Qwen-MoE's mlp_only_layers).
+    experts = [m for layer in model.get_submodule(layers) for m in getattr(layer, mlp).modules()
+               if any(p.dim() == 3 for p in m.parameters(recurse=False))]
     routed = lm.config.num_experts_per_tok / next(p for p in experts[0].parameters() if p.dim() == 3).shape[0] \
         if experts else 1.0
     embedding = names[id(lm.get_input_embeddings())]
