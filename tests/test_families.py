@@ -107,7 +107,8 @@ def test_a_token_counts_the_experts_it_is_routed_through():
         option.apply(tiny_family.build(), a)
         fraction[part] = option.recompute_fraction
     model = tiny_family.build()
-    routed = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in model.modules() if type(m).__name__ == "MixtralExperts") / 2
+    routed = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in model.modules()
+                 if type(m).__name__ == "MixtralExperts") / 2
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert fraction["mlp"] == pytest.approx(routed / (linear + routed))  # 2 of 4 experts
     assert fraction["mlp"] > fraction["attn"] > 0

@@ -74,7 +74,8 @@ COMPACT = [dict(checkpoint="none", parallel="single", optimizer="adamw"),
            dict(checkpoint="layers", parallel="single", optimizer="adamw8bit", offload="optimizer", device="cuda"),
            dict(checkpoint="every2", parallel="single", optimizer="sgd", offload="params"), *EXTRA]
 CASES = [pytest.param(name, n, COMPACT, id=f"{name}-{n}")
-         for name, n in (("gpt-nano", 3), ("gpt-mini", 7), ("llama3.2-1b", 3), ("pythia-160m", 7), ("mixtral-8x7b", 3))] \
+         for name, n in (("gpt-nano", 3), ("gpt-mini", 7), ("llama3.2-1b", 3), ("pythia-160m", 7),
+                         ("mixtral-8x7b", 3))] \
     + [pytest.param(name, n, GRID, id=f"{name}-{n}-grid", marks=pytest.mark.slow)
        for name in ("gpt-nano", "gpt-mini", *HF) for n in (1, 2, 3, 7)]
 

@@ -266,7 +266,7 @@ class Family(Option, abc.ABC):
         if f"{a.lm_head}.weight" in shapes:  # untied (named_parameters lists a shared tensor once)
             skip.add(f"{a.embedding}.weight")
         # A mixture of experts' weights count as the share a token is routed through (Mixtral 8x7B:
-        # 2 of 8 experts, 12.9B of 46.7B parameters). Read off layer 0 of the model the layout read.
+        # 2 of 8 experts, 12.9B of 46.7B parameters); their names read off the model the layout read.
         experts = {layout.layer_rest(n) for n in a.expert_names(layout.model) if n.startswith(layout.prefix)}
         in_experts = sum(math.prod(s) for n, s in shapes.items()
                          if n.startswith(layout.prefix) and layout.layer_rest(n) in experts)

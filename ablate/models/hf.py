@@ -43,7 +43,8 @@ LOGIT_KEYS = {"final_logit_softcapping": None, "logits_scaling": 1.0}
 # from dense to mixture-of-experts MLPs at some index), so that a sample of two layers stands for
 # all of them (Family.layout): counting and the analytic predictor then build two layers, not all.
 # Any other family is built whole.
-UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3", "mixtral", "olmoe", "qwen2_moe",
+                  "qwen3_moe")
 
 
 def _transformers():
@@ -252,7 +253,8 @@ class HFCausalLM(Family):
         """(layers, attention width): query heads x head_dim where the config sets a head_dim of
         its own (Qwen3 0.6B: 16 x 128 = 2048 on a hidden size of 1024), else the hidden size."""
         layers, hidden = super().dims()
-        heads, head_dim = getattr(self.hf_config, "num_attention_heads", None), getattr(self.hf_config, "head_dim", None)
+        c = self.hf_config
+        heads, head_dim = getattr(c, "num_attention_heads", None), getattr(c, "head_dim", None)
         return layers, heads * head_dim if heads and head_dim else hidden
 
     def with_layers(self, n: int) -> CausalLM | None:

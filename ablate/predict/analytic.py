@@ -112,7 +112,8 @@ def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
                   param_numels={n: math.prod(s) for n, s in shapes.items()}, param_shapes=shapes, groups=groups,
                   layer_names=layout.layer_names, embedding=f"{a.embedding}.weight",
                   lm_head=lm_head if lm_head in shapes else None,
-                  linear_names=[n for n in layout.layer_names[0] if n.startswith(inner) and layout.layer_rest(n) not in experts])
+                  linear_names=[n for n in layout.layer_names[0]
+                                if n.startswith(inner) and layout.layer_rest(n) not in experts])
 
 
 def _local_shape(shape: tuple, world: int) -> tuple:

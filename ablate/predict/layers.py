@@ -159,7 +159,10 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     qk_recomputed = qk - (q + kv) * c if a.qk_norm else 0
     attn += qk
     # SwiGLU: gate and up (each casting ln_2's output under autocast), down; or the experts
-    mlp, ln_2_casts, mlp_matmul = _experts(a, sb, r, c) if a.experts else (4 * sb * a.inter * c, 2, 2 * sb * a.inter * c + sbh * c)
+    if a.experts:
+        mlp, ln_2_casts, mlp_matmul = _experts(a, sb, r, c)
+    else:
+        mlp, ln_2_casts, mlp_matmul = 4 * sb * a.inter * c, 2, 2 * sb * a.inter * c + sbh * c
     # Under autocast on an fp32 stream (r != c) each projection casts the norm's output itself
     # (autocast caches casts of weights only): q, k and v keep 3 copies of ln_1's, the MLP its own of ln_2's.
     outs = (3 + ln_2_casts if r != c else 1 + 1) * sbh * c
@@ -191,9 +194,10 @@ def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
     experts = S * (2 * h + 4 * i) * r + S * weights + 3 * S * 8
     router = sb * a.experts * 4 + sb * a.top_k * (8 + 4) + sb * 4
     shared = 4 * sb * a.shared_inter * c + sb * h * c + sb * c if a.shared_inter else 0
-    casts = 1 + (3 if a.shared_inter else 0)  # the router's linear; the shared expert's gate, up and gate
-    # outputs of the router's linear (c), gate_up and down (r), and the shared expert's gate, up, down and gate
-    matmul = sb * a.experts * c + S * (2 * i + h) * r + ((2 * a.shared_inter + h) * sb * c + sb * c if a.shared_inter else 0)
+    casts = 1 + (3 if a.shared_inter else 0)  # the router's linear; the shared expert's gate_proj, up_proj and gate
+    # outputs of the router's linear (c), gate_up and down (r), and the shared expert's four Linears (c)
+    shared_out = (2 * a.shared_inter + h) * sb * c + sb * c if a.shared_inter else 0
+    matmul = sb * a.experts * c + S * (2 * i + h) * r + shared_out
     return experts + router + shared, casts, matmul
 
 
