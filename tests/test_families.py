@@ -209,6 +209,29 @@ def test_selective_recompute_keeps_the_experts_matmuls(fallback):
     assert none > 0 and grouped_matmuls("ops") == none < grouped_matmuls("block")
 
 
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen2_moe", "olmoe"])
+def test_a_config_asking_for_the_load_balancing_loss_trains_with_it_under_every_loss(name):
+    """output_router_logits=true: the loss is the LM loss plus router_aux_loss_coef x the family's
+    load-balancing loss, as transformers trains with labels; the chunked and fused losses, which
+    take the base model's output, add the same."""
+    from ablate.models import lm_loss
+    from ablate.techniques.loss import Chunked, Fused
+
+    family = instantiate(compose_config(tiny(name, "+model.config.output_router_logits=true"))["model"])
+    torch.manual_seed(0)
+    model, idx, y = family.build(), torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    logits, loss = model(idx, y)
+    aux = model.lm(input_ids=idx, use_cache=False).aux_loss
+    assert aux > 0
+    torch.testing.assert_close(loss, lm_loss(logits, y) + family.hf_config.router_aux_loss_coef * aux)
+    for option in (Chunked(chunks=3), Fused(chunks=3)):
+        option.attach(model, family.adapter)
+        torch.testing.assert_close(model(idx, y)[1], loss)
+    balanced = losses(name, "+model.config.output_router_logits=true")
+    assert balanced != losses(name)  # it trains on it
+    assert losses(name, "+model.config.output_router_logits=true", "loss=fused") == pytest.approx(balanced, rel=1e-5)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_mixture_of_experts_is_traced_close_to_its_measured_step(precision):
     """transformers' experts multiply with torch's grouped GEMM, whose shape function refuses

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,25 @@ class CausalLM(nn.Module):
         own `labels` would shift them again. No KV cache: this is training. With a loss_fn, the
         base model's last hidden states (final norm applied) go to it with the head: no logits."""
         if targets is not None and self.loss_fn is not None:
-            hidden = self.lm.base_model(input_ids=idx, use_cache=False).last_hidden_state  # (B, T, C)
-            return None, self.loss_fn(hidden, self.lm.get_output_embeddings(), targets)
-        logits = self.lm(input_ids=idx, use_cache=False).logits  # (B, T, vocab) in the compute dtype
-        return logits, None if targets is None else lm_loss(logits, targets)
+            out = self.lm.base_model(input_ids=idx, use_cache=False)
+            hidden = out.last_hidden_state  # (B, T, C)
+            return None, self.loss_fn(hidden, self.lm.get_output_embeddings(), targets) + self._router_loss(out)
+        out = self.lm(input_ids=idx, use_cache=False)
+        logits = out.logits  # (B, T, vocab) in the compute dtype
+        return logits, None if targets is None else lm_loss(logits, targets) + self._router_loss(out)
+
+    def _router_loss(self, out) -> torch.Tensor | float:
+        """A mixture of experts' load-balancing loss x router_aux_loss_coef where its config asks for
+        one (output_router_logits), as transformers adds it to its own loss given labels; else 0.
+        The causal LM's output carries it; the base model's (the chunked loss's) only the router
+        logits, which the family's own loss function takes."""
+        if not getattr(self.lm.config, "output_router_logits", False):
+            return 0.0
+        aux = getattr(out, "aux_loss", None)
+        if aux is None:
+            balance = sys.modules[type(self.lm).__module__].load_balancing_loss_func
+            aux = balance(out.router_logits, self.lm.num_experts, self.lm.num_experts_per_tok, None)
+        return self.lm.router_aux_loss_coef * aux
 
     def tie_weights(self) -> None:
         self.lm.tie_weights()
