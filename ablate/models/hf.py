@@ -137,8 +137,8 @@ def find_adapter(model: CausalLM) -> Adapter:
     # start with dense layers (Qwen-MoE's mlp_only_layers).
     experts = [m for layer in model.get_submodule(layers) for m in getattr(layer, mlp).modules()
                if any(p.dim() == 3 for p in m.parameters(recurse=False))]
-    routed = lm.config.num_experts_per_tok / next(p for p in experts[0].parameters() if p.dim() == 3).shape[0] \
-        if experts else 1.0
+    top_k = getattr(lm.config, "num_experts_per_tok", None)  # none: 3-d weights that every token uses
+    routed = top_k / next(p for p in experts[0].parameters() if p.dim() == 3).shape[0] if experts and top_k else 1.0
     embedding = names[id(lm.get_input_embeddings())]
     positions = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and n != embedding
                  and m.num_embeddings == getattr(lm.config, "max_position_embeddings", None)]
