@@ -25,7 +25,8 @@ PUBLISHED = {"llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "smollm2
              "pythia-160m": 162_322_944, "mistral-7b": 7_241_732_096,
              "qwen3-0.6b": 596_049_920,  # its card: 0.6B, and 0.44B less the 155,582,464 of the embedding
              "mixtral-8x7b": 46_702_792_704,  # its card: 46.7B, 12.9B of them a token's
-             "olmoe-1b-7b": 6_919_161_856}  # its card: 6.92B; its paper: 1.3B of them a token's
+             "olmoe-1b-7b": 6_919_161_856,  # its card: 6.92B; its paper: 1.3B of them a token's
+             "qwen3-30b-a3b": 30_532_122_624}  # its card: 30.5B, 3.3B activated
 _GQA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
         "model.config.num_key_value_heads=2"]
 # Each family at 2 layers and hidden 64, with its own structure (grouped-query heads, SwiGLU, RMSNorm,
@@ -36,6 +37,8 @@ TINY = {
     "qwen3-0.6b": [*_GQA, "model.config.head_dim=16"],
     "mixtral-8x7b": [*_GQA, "model.config.num_local_experts=4"],
     "olmoe-1b-7b": [*_GQA, "model.config.num_experts=8"],
+    "qwen3-30b-a3b": [*_GQA, "model.config.head_dim=16", "model.config.num_experts=8",
+                      "model.config.moe_intermediate_size=32"],
     "smollm2-135m": _GQA,
     "mistral-7b": _GQA,
     "pythia-160m": ["model.config.hidden_size=64", "model.config.intermediate_size=256",
@@ -86,7 +89,7 @@ def test_the_attention_flops_count_the_query_heads_width():
 def test_a_token_counts_the_experts_it_is_routed_through():
     """PaLM's N (flops_params, for MFU) is what a token multiplies by: of a mixture of experts,
     num_experts_per_tok of its experts. Mixtral 8x7B's card: 12.9B of its 46.7B parameters (the
-    embedding, a lookup, among them); OLMoE's: 1.3B of 6.92B. Recompute shares (HFU) count experts alike: the MoE block
+    embedding, a lookup, among them); OLMoE's: 1.3B of 6.92B; Qwen3 30B-A3B's: 3.3B (3.35B) of 30.5B. Recompute shares (HFU) count experts alike: the MoE block
     holds no Linear, so before this its recompute counted as nothing."""
     from ablate.techniques.checkpoint import Sublayer
 
@@ -99,6 +102,9 @@ def test_a_token_counts_the_experts_it_is_routed_through():
     olmoe = instantiate(compose_config(["model=olmoe-1b-7b"])["model"])  # 8 of 64 experts
     embedding = olmoe.hf_config.vocab_size * olmoe.hf_config.hidden_size
     assert (round(olmoe.num_params() / 1e9, 2), round((olmoe.flops_params() + embedding) / 1e9, 1)) == (6.92, 1.3)
+    qwen = instantiate(compose_config(["model=qwen3-30b-a3b"])["model"])  # 8 of 128 experts
+    embedding = qwen.hf_config.vocab_size * qwen.hf_config.hidden_size
+    assert round(qwen.num_params() / 1e9, 1) == 30.5 and 3.3 <= (qwen.flops_params() + embedding) / 1e9 < 3.4
     tiny_family = instantiate(compose_config(tiny("mixtral-8x7b"))["model"])
     a = tiny_family.adapter
     fraction = {}
@@ -287,7 +293,7 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b",
-                                  "mixtral-8x7b", "qwen2_moe", "qwen3_moe", "olmoe-1b-7b"])  # + mixtures of experts
+                                  "mixtral-8x7b", "qwen2_moe", "qwen3-30b-a3b", "olmoe-1b-7b"])  # + mixtures of experts
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])
 @pytest.mark.parametrize("precision,accumulation", [
     ("fp32", "none"), ("bf16_pure", "none"),
