@@ -154,9 +154,12 @@ class ParamLayout:
         return cls(two.model, two.prefix, {name: two.shapes[seen] for name, seen in pairs},
                    [[f"{two.prefix}{i}.{rest}" for rest in rests] for i in range(n)], sampled=True)
 
-    def layer_rest(self, name: str) -> str:
-        """A layer's parameter name past its "<prefix><i>.": the same in every layer."""
-        return name[len(self.prefix):].split(".", 1)[1]
+    def expert_names(self, adapter: Adapter) -> set[str]:
+        """The whole model's names of a mixture of experts' weights, read off the model the layout
+        read (a sample's layers stand for every layer): a layer's name past "<prefix><i>."."""
+        rest = lambda name: name[len(self.prefix):].split(".", 1)[1]  # noqa: E731
+        rests = {rest(n) for n in adapter.expert_names(self.model) if n.startswith(self.prefix)}
+        return {n for n in self.shapes if n.startswith(self.prefix) and rest(n) in rests} if rests else set()
 
     def groups(self, param_groups: Callable[[nn.Module], list[dict]]) -> list[list[str]] | None:
         """`param_groups(model)`'s groups (an optimizer option's) as the whole model's parameter
@@ -267,9 +270,7 @@ class Family(Option, abc.ABC):
             skip.add(f"{a.embedding}.weight")
         # A mixture of experts' weights count as the share a token is routed through (Mixtral 8x7B:
         # 2 of 8 experts, 12.9B of 46.7B parameters); their names read off the model the layout read.
-        experts = {layout.layer_rest(n) for n in a.expert_names(layout.model) if n.startswith(layout.prefix)}
-        in_experts = sum(math.prod(s) for n, s in shapes.items()
-                         if n.startswith(layout.prefix) and layout.layer_rest(n) in experts)
+        in_experts = sum(math.prod(shapes[n]) for n in layout.expert_names(a))
         return sum(math.prod(s) for n, s in shapes.items() if n not in skip) - round(in_experts * (1 - a.routed))
 
     def dims(self) -> tuple[int, int]:

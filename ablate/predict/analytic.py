@@ -105,7 +105,7 @@ def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
     shapes = layout.shapes  # a tied weight once, under its first name
     inner = tuple(f"{layout.prefix}0.{part}." for part in (a.attention, a.mlp))
     # A mixture of experts' weights multiply in their own dtype (grouped_mm is no autocast op): never cast.
-    experts = {layout.layer_rest(n) for n in a.expert_names(layout.model) if n.startswith(layout.prefix)}
+    experts = layout.expert_names(a)
     groups = [[shapes[n] for n in g] for g in t.model.param_groups(t.optimizer.param_groups)]
     lm_head = f"{a.lm_head}.weight"
     return Shapes(b=spec.batch_size // t.accumulation.steps, s=spec.seq_len, arch=arch,
@@ -113,7 +113,7 @@ def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
                   layer_names=layout.layer_names, embedding=f"{a.embedding}.weight",
                   lm_head=lm_head if lm_head in shapes else None,
                   linear_names=[n for n in layout.layer_names[0]
-                                if n.startswith(inner) and layout.layer_rest(n) not in experts])
+                                if n.startswith(inner) and n not in experts])
 
 
 def _local_shape(shape: tuple, world: int) -> tuple:
@@ -199,6 +199,12 @@ def _fsdp(t: Techniques) -> bool:
     return t.parallel.shards_params or isinstance(t.offload, Params)
 
 
+def _grad_bytes(t: Techniques) -> int:
+    """Bytes per gradient element: the parameters' dtype, or FSDP's mixed-precision compute dtype
+    (it gathers parameters in it, and backward makes their gradients in it)."""
+    return BYTES[t.precision.autocast_dtype or t.precision.param_dtype] if _fsdp(t) else BYTES[t.precision.param_dtype]
+
+
 def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
     """Parameters, gradients, optimizer states and FSDP's units on one rank (bytes)."""
     pd = BYTES[t.precision.param_dtype]
@@ -214,7 +220,7 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
         states += 2 * 256 * 4  # the two fp32 quantisation maps, shared by every 8-bit tensor
     if offloaded or isinstance(t.offload, OptimizerState):
         states = 0.0
-    grads = {n: numel * (gd if fsdp else pd) for n, numel in sh.param_numels.items()}
+    grads = {n: numel * _grad_bytes(t) for n, numel in sh.param_numels.items()}
     if isinstance(t.offload, OptimizerState) and t.offload.gradients:
         grads = dict.fromkeys(grads, 0.0)
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
@@ -250,8 +256,8 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     z.r = z.c if fsdp_mp else BYTES[t.precision.param_dtype]
     # RMSNorm (llama) keeps an fp32 copy of any input.
     z.ln = 4 if sh.arch.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else z.r
-    g = BYTES[t.precision.autocast_dtype or t.precision.param_dtype] if _fsdp(t) else BYTES[t.precision.param_dtype]
-    z.inner_temp, z.forward_temp = inner_temp(sh.arch, sh.sb, z.c, z.r, g), forward_temp(sh.arch, sh.sb, z.r)
+    z.inner_temp = inner_temp(sh.arch, sh.sb, z.c, z.r, _grad_bytes(t))
+    z.forward_temp = forward_temp(sh.arch, sh.sb, z.r)
     part = t.checkpoint
     z.recompute_with_mlp = not (isinstance(part, ckpt.Layers) or (isinstance(part, ckpt.Sublayer) and part.part == "attn"))
     z.mlp_saved = mlp_saves(sh.arch, sh.sb, z.r, z.c, z.ln)
