@@ -37,8 +37,11 @@ demo: install
 		hydra.sweep.dir=$(DEMO_DIR)
 	$(PY) -m analysis.report $(DEMO_DIR)
 
+# The tests run in parallel, one worker per core, a test file to a worker (module fixtures run once);
+# TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
 test: install-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The long CPU tests (the preset benchmarks at toy size, torch.compile): CI runs them after `make test`.
 test-slow: install-dev

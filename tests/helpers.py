@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -19,6 +20,12 @@ FAST = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "data.t
         "data.eval_samples=8", "batch_size=4", "seq_len=16", "steps=3", "warmup_steps=2", "device=cpu"]
 
 register()
+
+
+def slow_except(values, *kept) -> list:
+    """`values` as parameters, each but `kept` marked slow: the default suite runs a case or two of
+    a check that repeats a whole sweep per case (minutes on 2 cores), `make test-slow` the rest."""
+    return [v if v in kept else pytest.param(v, marks=pytest.mark.slow) for v in values]
 
 
 def fast_defaults(args) -> list[str]:

@@ -117,6 +117,7 @@ def test_prune_records_predicted_oom_and_a_later_run_measures_it(tmp_path):
     assert rerun[0]["run_id"] == rows[32]["run_id"]
 
 
+@pytest.mark.slow
 def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     p8, p16 = predicted_peak("batch_size=8"), predicted_peak("batch_size=16")
     usable = (p8 + p16) / 2 / (1 - MARGIN)  # micro-batch 8 fits with its margin, 16 does not
@@ -161,6 +162,7 @@ def test_find_batch_with_predict_only_plans_a_card_without_running(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.name in ("spec.json", "events.jsonl")]  # no worker launched
 
 
+@pytest.mark.slow
 def test_report_shows_predicted_measured_and_error(tmp_path):
     proc = run_cli(["-m", "checkpoint=none,block"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -179,6 +181,7 @@ def test_bad_predict_method_names_the_choices(tmp_path):
     assert "predict" in proc.stderr and "analytic" in proc.stderr and "trace" in proc.stderr
 
 
+@pytest.mark.slow
 def test_batch_scan_experiment_is_one_command(tmp_path):
     """The published-table scan (1, 2, 4, 7, 8, 9, ...), planned without running: memory grows with batch."""
     proc = run_cli(["-m", "experiment=batch_scan", "model=gpt-nano", "seq_len=32", "predict_only=true"], tmp_path,
@@ -204,6 +207,7 @@ def test_a_point_about_to_run_on_this_cpu_with_device_auto_is_predicted_for_the_
     assert result["prediction"]["peak_mib"] == pytest.approx(result["metrics"]["peak_allocated_mib"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_batch_scan_stops_at_the_first_oom_and_records_the_rest_as_not_run(tmp_path):
     """On an emulated card between the batch-4 and batch-7 peaks: 1, 2, 4 run, 7 runs out of
     memory, and 8 ... 64 are oom rows that never ran (nor will a rerun skip them as done)."""

@@ -153,6 +153,7 @@ def test_compile_reports_its_time_apart_and_keeps_the_losses(tmp_path):
     assert c["metrics"]["losses"] == pytest.approx(e["metrics"]["losses"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_submitit_local_runs_points_one_at_a_time(tmp_path):
     proc = run_cli(["-m", "hydra/launcher=submitit_local", "optimizer=adamw,sgd", f"hydra.sweep.dir={tmp_path}/s"],
                    tmp_path)

@@ -14,7 +14,9 @@ def test_a_failure_is_written_down_when_it_happens(tmp_path):
         "def test_fails():\n    print('the step printed this')\n    assert 1 == 2, 'the reason'\n\n"
         "def test_passes():\n    pass\n")
     log = tmp_path / "failures.log"
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "ABLATE_TEST_FAILURES": str(log)}
+    # Not an xdist worker's environment: there the hook leaves the writing to xdist's controller.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
+           "PYTHONPATH": str(TESTS), "ABLATE_TEST_FAILURES": str(log)}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                            "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_sample.py")],
                           env=env, capture_output=True, text=True, timeout=120)

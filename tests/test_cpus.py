@@ -83,6 +83,7 @@ def test_a_pool_without_a_plan_lends_no_cpus():
     assert GpuPool([0]).take(1).cpus == ()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux's affinity calls")
 def test_a_job_given_cpus_pins_itself_and_torch_and_its_children_follow():
     mine = cpus.allowed()[:1]

@@ -17,7 +17,7 @@ from ablate.models.hf import CausalLM
 from ablate.predict.analytic import analytic
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
-from tests.helpers import compose_config, compose_spec, results_under, run_cli, train_nano
+from tests.helpers import compose_config, compose_spec, results_under, run_cli, slow_except, train_nano
 from tests.test_predict import measured
 
 # Parameter counts of the published models (their model cards and transformers agree).
@@ -137,7 +137,7 @@ def losses(name: str, *overrides: str) -> list[float]:
     return train_nano([*tiny(name), "data.vocab_size=128", *overrides], steps=3)[0]
 
 
-@pytest.mark.parametrize("name", PUBLISHED)
+@pytest.mark.parametrize("name", slow_except(PUBLISHED, "llama3.2-1b", "pythia-160m", "mixtral-8x7b"))  # one per layout
 def test_every_checkpoint_option_and_accumulation_keep_the_losses(name):
     plain = losses(name)
     assert plain[-1] < plain[0]  # it trains
@@ -276,6 +276,7 @@ def test_what_a_family_cannot_do_is_invalid_and_names_the_key():
             "give model.config.pad_token_id=null" in refused(*[k for k in tiny("phi3") if "pad_token_id" not in k]))
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
     """Two gloo ranks through the CLI: DDP and FSDP2 (which wraps the adapter's layers) at 2 samples
     per rank give the single process's losses at 4: the same global batch."""
@@ -296,7 +297,7 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
                                   "mixtral-8x7b", "qwen2_moe", "qwen3-30b-a3b", "olmoe-1b-7b"])  # + mixtures of experts
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])
 @pytest.mark.parametrize("precision,accumulation", [
-    ("fp32", "none"), ("bf16_pure", "none"),
+    ("fp32", "none"), pytest.param("bf16_pure", "none", marks=pytest.mark.slow),
     pytest.param("bf16", "none", marks=pytest.mark.slow), pytest.param("fp32", "x4", marks=pytest.mark.slow)])
 def test_analytic_matches_memtracker_on_tiny_families(name, checkpoint, precision, accumulation):
     overrides = [*tiny(name), "data.vocab_size=128", "optimizer=adamw_foreach", f"checkpoint={checkpoint}",

@@ -170,6 +170,7 @@ def test_a_sigkilled_job_takes_its_worker_along(tmp_path, hung_job):
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_alloc_conf_reaches_the_worker_and_an_exported_one_is_recorded(tmp_path, hung_job, monkeypatch):
     """alloc_conf is the worker's PYTORCH_CUDA_ALLOC_CONF (read by the caching allocator when CUDA
     starts, so it must be in the worker's environment from its start); left null, the one the

@@ -160,6 +160,7 @@ def test_the_search_skips_micro_batches_the_point_cannot_run_at(tmp_path):
     assert planned.metrics == {"max_batch_size": 8} and best.peak_mib == 800.0
 
 
+@pytest.mark.slow
 def test_an_in_backward_point_is_searched_not_invalid(tmp_path):
     """The same through the job, for real: the fit_llama_1b preset's in-backward rungs were
     `invalid`, because the search probed micro-batch 4 of 16, then 2, then 1."""

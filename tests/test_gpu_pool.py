@@ -193,6 +193,7 @@ def test_a_real_sweep_packs_points_of_one_and_two_gpus_and_refuses_one_wanting_m
     assert "3 results under" in proc.stdout and "2 ok, 1 invalid" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_sweep_told_to_stop_stops_its_running_points_and_leaves_nothing_behind(tmp_path):
     """The default launcher: SIGTERM while two points train side by side (both hang). submitit's
     local jobs outlive the process that started them unless it ends them."""
@@ -221,6 +222,7 @@ def test_a_sweep_told_to_stop_stops_its_running_points_and_leaves_nothing_behind
     assert not results_under(tmp_path / "s")  # no row for a stopped point: the next sweep runs it
 
 
+@pytest.mark.slow
 def test_points_per_gpu_runs_a_sweeps_points_side_by_side_on_one_gpu(tmp_path):
     """For a sweep that measures memory only (tests/test_gpu_predict.py): two points at once on the
     one (fake) GPU, both pinned to it; 0 is refused, naming the key."""

@@ -69,6 +69,7 @@ def test_a_malformed_ladder_is_named(tmp_path, rungs, named):
     assert named in out.stderr
 
 
+@pytest.mark.slow
 def test_a_point_reused_from_another_sweep_takes_this_ladders_rung(tmp_path):
     first = run_cli(["-m", "hydra/sweeper=ladder", *SMALL, "hydra.sweeper.rungs=[{optimizer:sgd,batch_size:4}]",
                      f"hydra.sweep.dir={tmp_path}/a"], tmp_path, fast=False)

@@ -50,6 +50,7 @@ def test_ddp_and_fsdp_match_one_process_with_the_global_batch(verbatim, single_1
         assert r["metrics"]["losses"] == pytest.approx(single_16, abs=1e-5), r["choices"]
 
 
+@pytest.mark.slow
 def test_fsdp_shards_what_ddp_replicates(tmp_path):
     proc = run_cli(["-m", "parallel=ddp,fsdp", "batch_size=8", f"hydra.sweep.dir={tmp_path}/s"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -60,6 +61,7 @@ def test_fsdp_shards_what_ddp_replicates(tmp_path):
     assert m["fsdp"]["peak_allocated_mib"] < m["ddp"]["peak_allocated_mib"]
 
 
+@pytest.mark.slow
 def test_ddp_gradients_as_bucket_views_save_a_gradient_copy_and_keep_the_math(tmp_path):
     # AdamW on a model whose peak comes in the optimizer step, with every gradient alive.
     proc = run_cli(["-m", "parallel=ddp", "parallel.gradient_as_bucket_view=false,true", "model=gpt-mini",
@@ -77,6 +79,7 @@ def test_ddp_gradients_as_bucket_views_save_a_gradient_copy_and_keep_the_math(tm
     assert saved == pytest.approx(params, rel=0.15)  # fp32 gradients: about one parameter-sized copy
 
 
+@pytest.mark.slow
 def test_fsdp_grad_op_and_fsdp1_match_too(tmp_path, single_16):
     # With accumulation: each micro-step's gradients are reduce-scattered and added into the shards.
     proc = run_cli(["-m", "parallel=fsdp_grad_op,fsdp1", "batch_size=8", "accumulation=x2", *EXACT,
@@ -89,6 +92,7 @@ def test_fsdp_grad_op_and_fsdp1_match_too(tmp_path, single_16):
         assert r["metrics"]["losses"] == pytest.approx(single_16, abs=1e-5), r["choices"]
 
 
+@pytest.mark.slow
 def test_fsdp_accumulation_keeps_gradients_sharded_unless_told_to_defer_the_sync(tmp_path, single_16):
     """sync_each_micro_step=false (no_sync) keeps every whole gradient until the last micro-step:
     same math, fewer reduce-scatters, more memory; the predictions follow both."""
@@ -110,6 +114,7 @@ def test_fsdp_accumulation_keeps_gradients_sharded_unless_told_to_defer_the_sync
     assert predicted[False] - predicted[True] > 0.05 * predicted[False]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_and_the_sweep_goes_on(tmp_path):
     proc = run_cli(["-m", "parallel=ddp,fsdp", "checkpoint=block", "accumulation=x2", "precision=bf16",
                     "timeout_s=120", f"hydra.sweep.dir={tmp_path}/s"], tmp_path,

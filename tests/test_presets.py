@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from ablate import results
-from tests.helpers import CONF, ROOT, compose_spec, results_under, run_cli
+from tests.helpers import CONF, ROOT, compose_spec, results_under, run_cli, slow_except
 
 # preset -> (model, rungs of its ladder (None: a plain grid), grid points it runs)
 PRESETS = {
@@ -72,13 +72,15 @@ def peaks(runs: list[dict]) -> list[float]:
     return [r["prediction"]["peak_mib"] for r in runs]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+# The default suite plans the presets the tests below read; the rest plan under -m slow.
+@pytest.mark.parametrize("preset", slow_except(PRESETS, "gpt2_large_ladder", "gpt2_xl_fsdp_batch_scan", "leanest"))
 def test_preset_plans_its_full_size_grid_without_a_gpu(preset, plan):
     runs = plan(preset)
     assert len(runs) == PRESETS[preset][2]
     assert PRESETS[preset][0] in {r["choices"]["model"] for r in runs}
 
 
+@pytest.mark.slow
 def test_fit_llama_1b_plans_which_combination_fits_which_card(plan):
     """Every combination judged on each card by find_batch over predictions: more memory never
     fits a smaller micro-batch, and pure bf16 + block recompute fits a 24 GiB card."""

@@ -116,7 +116,9 @@ PLANS = [
 ]
 
 
-@pytest.mark.parametrize("anchor,command,options,heading,drop", PLANS, ids=["setting", "batch", "find_batch"])
+@pytest.mark.parametrize("anchor,command,options,heading,drop",
+                         [PLANS[0], *(pytest.param(*p, marks=pytest.mark.slow) for p in PLANS[1:])],
+                         ids=["setting", "batch", "find_batch"])
 def test_the_readmes_plan_tables_are_what_the_tool_prints(tmp_path, anchor, command, options, heading, drop):
     sweep = subprocess.run([sys.executable, "-m", "ablate", *command.split(), f"hydra.sweep.dir={tmp_path}/s",
                             f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -67,6 +67,7 @@ def test_a_result_missing_fields_is_named_rerun_and_left_out_of_the_report(tmp_p
     assert results.problem(_result_file(sweep)[1]) is None
 
 
+@pytest.mark.slow
 def test_what_made_a_row_invalid_or_an_input_file_can_be_mended_and_the_rerun_runs(tmp_path):
     """An `invalid` row is checked again (a bad timeout_s, outside the run_id, then a good one),
     and an edited input file is a new point, not the old file's row skipped as done."""
@@ -171,6 +172,7 @@ def _full_disk_env(tmp_path, **env) -> dict:
     return {"PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]), **env}
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_sweep_with_one_line_and_keeps_the_measurement(tmp_path):
     sweep = tmp_path / "s"
     proc = run_cli(["-m", "seed=1,2", f"hydra.sweep.dir={sweep}"], tmp_path,

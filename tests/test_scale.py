@@ -22,7 +22,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from ablate.results import PRUNED
-from tests.helpers import CONF, results_under, run_cli
+from tests.helpers import CONF, results_under, run_cli, slow_except
 
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 # A change under 2% of the baseline's peak has no direction. MemTracker's peaks are byte counts of
@@ -236,13 +236,14 @@ def test_scale_cpu_is_a_group_of_its_own_not_a_technique():
     assert unknown_key(["model=gpt2-xl", "scale=cpu"]) is None
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", slow_except(PRESETS, "demo", "single_gpu_techniques"))
 def test_scale_cpu_predicts_every_technique_as_on_a_gpu(preset, gpu_plan, tmp_path):
     """The predictor at scale=cpu on the CPU against the predictor at full size on a GPU."""
     gpu, cpu = side_by_side(preset, gpu_plan, tmp_path, "scale=cpu", "predict_only=true")
     assert check(preset, gpu, cpu) == []
 
 
+@pytest.mark.slow
 def test_single_gpu_techniques_run_at_scale_cpu_point_as_on_a_gpu(gpu_plan, tmp_path):
     """The preset the issue measured, run at scale=cpu with its ladder cut to the baseline and the
     issue's two techniques, plus 8-bit AdamW (the GPU's smallest saving, -3.5%): each traced peak

@@ -84,6 +84,7 @@ def test_each_point_is_one_array_task_and_the_report_reads_them(cluster, tmp_pat
     assert len(table) == 2 and all(ln.rstrip().endswith("| ok       |") for ln in table)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_an_error_row_and_the_sweep_returns(cluster, tmp_path):
     # ABLATE_FAULT reaches the worker through sbatch, which exports the submitting environment.
     proc = run_cli([*SWEEP, "optimizer=adamw,adafactor,sgd", f"hydra.sweep.dir={tmp_path}/s"], tmp_path,
@@ -96,6 +97,7 @@ def test_a_killed_worker_is_an_error_row_and_the_sweep_returns(cluster, tmp_path
     assert sorted(_array_task(r)[1] for r in rows.values()) == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_job_killed_outside_python_still_gets_its_row(cluster, tmp_path):
     """The job process itself dies (as under the host's OOM killer) and writes no result. submitit
     learns that the job ended only from sacct (without one that answers it would wait forever);

@@ -1,0 +1,215 @@
+"""Every causal LM family in the installed transformers, at toy size, through ablate on the CPU.
+
+    python benchmarks/hf_families.py [--only llama,gpt_oss ...] [--results DIR]
+
+For each model_type that AutoModelForCausalLM knows, a 2-layer model of hidden size 64 and a
+128-token vocabulary (each size key the family's config has, set small: SMALL) is built as
+`model=hf +model.config.model_type=<type>` builds it, then trained 3 steps plain, with block and
+selective-op recompute and with the chunked loss, and its memory predicted the way a run predicts
+it (analytic, else the trace) and measured with MemTracker on the real step. Writes
+`<results>/cpu/hf_families.md`: one row per family, saying what worked and, for what did not, the
+first line of why. No GPU, no download: the models are random, built from their configs.
+
+What "works" means here: trains (finite losses that fall over 3 steps of AdamW at lr 1e-3 on the
+synthetic data), block and ops recompute and the chunked loss give the plain run's losses (rel
+1e-5), and the prediction is within 5% of the measured peak.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as `python benchmarks/x.py` without installing the project
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from ablate.build import build_model, build_optimizer, check_config  # noqa: E402
+from ablate.measure import traced_step  # noqa: E402
+from ablate.outcome import predicted  # noqa: E402
+from ablate.schema import register  # noqa: E402
+from ablate.spec import RunSpec  # noqa: E402
+from ablate.train import train_step  # noqa: E402
+
+# A family's size keys, small: whichever of these its config has (names differ between families).
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "vocab_size": 128, "head_dim": 16, "pad_token_id": None,
+         "n_embd": 64, "n_head": 4, "n_layer": 2, "n_inner": 128, "d_model": 64, "ffn_dim": 128,
+         # mixtures of experts
+         "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_shared_experts": 1,
+         "n_group": 1, "topk_group": 1,
+         # multi-head latent attention (DeepSeek V2/V3)
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+BASE = ["device=cpu", "batch_size=4", "seq_len=16", "data.vocab_size=128", "data.train_samples=32",
+        "optimizer=adamw", "warmup_steps=2"]
+VARIANTS = {"block": ["checkpoint=block"], "ops": ["checkpoint=ops"], "chunked": ["loss=chunked", "loss.chunks=3"]}
+TIMEOUT_S = 300  # one family, all of its runs
+
+
+def value(v) -> str:
+    """A Hydra override's value: None -> null, a list -> [a,b]."""
+    if v is None:
+        return "null"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(value(x) for x in v) + "]"
+    return str(v)
+
+
+def tiny(model_type: str) -> list[str]:
+    """The command-line keys that make `model_type` a 2-layer, hidden-64 model (model=hf)."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    keys = {k: v for k, v in SMALL.items() if k in defaults}
+    kinds = defaults.get("layer_types")
+    if isinstance(kinds, list) and kinds:  # per-layer kinds: as many as the layers
+        keys["layer_types"] = kinds[:2]
+    return ["model=hf", f"+model.config.model_type={model_type}",
+            *(f"+model.config.{k}={value(v)}" for k, v in keys.items())]
+
+
+def spec_of(overrides: list[str]) -> RunSpec:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return RunSpec.of(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+
+
+def train(overrides: list[str], steps: int = 3) -> tuple[list[float], float]:
+    """(losses, MemTracker's peak of the traced step in MiB) of the point, on the CPU."""
+    spec = spec_of([*BASE, *overrides])
+    t = check_config(spec, "cpu")
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    model = build_model(t, cpu)
+    optimizer = build_optimizer(model, t)
+    scaler = t.precision.grad_scaler("cpu")
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (2, spec.batch_size, spec.seq_len), generator=gen) for _ in range(steps + 1)]
+    losses = [train_step(model, optimizer, scaler, t, (b[0], b[1]), cpu).item() for b in batches[:steps]]
+    trace = traced_step(lambda: train_step(model, optimizer, scaler, t, (batches[-1][0], batches[-1][1]), cpu),
+                        model, optimizer, cpu)
+    return losses, trace.peak_mib
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:160]
+
+
+class Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    def fire(*_):
+        raise Timeout(f"more than {seconds} s")
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def survey(model_type: str) -> dict:
+    """One family's row: what worked, and the first reason for what did not."""
+    row = {"family": model_type}
+    try:
+        keys = tiny(model_type)
+    except Exception as exc:  # noqa: BLE001  (a config transformers cannot make with its defaults)
+        return {**row, "builds": "no", "why": f"config: {first_line(exc)}"}
+    try:
+        plain, peak = train(keys)
+    except Exception as exc:  # noqa: BLE001  (an Invalid row with its reason, or a crash: both are data)
+        return {**row, "builds": "no", "why": first_line(exc)}
+    finite = all(map(torch.isfinite, torch.tensor(plain)))
+    row.update(builds="yes", trains="yes" if finite and plain[-1] < plain[0] else f"no: {plain}")
+    for name, extra in VARIANTS.items():
+        try:
+            got, _ = train([*keys, *extra])
+            same = torch.allclose(torch.tensor(got), torch.tensor(plain), rtol=1e-5, atol=0)
+            row[name] = "same" if same else f"differs: {got[-1]:.6f} vs {plain[-1]:.6f}"
+        except Exception as exc:  # noqa: BLE001
+            row[name] = first_line(exc)
+    try:
+        spec = spec_of([*BASE, *keys])
+        with contextlib.redirect_stderr(None):
+            pred = predicted(spec)
+        row["predicted"] = f"{pred.method} {100 * (pred.peak_mib / peak - 1):+.1f}%" if pred else "none"
+    except Exception as exc:  # noqa: BLE001
+        row["predicted"] = first_line(exc)
+    return row
+
+
+def families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+COLUMNS = ["family", "builds", "trains", "block", "ops", "chunked", "predicted", "why"]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def ok(row: dict) -> bool:
+    pred = row.get("predicted", "")
+    return (row.get("trains") == "yes" and all(row.get(v) == "same" for v in VARIANTS)
+            and pred.split()[0] in ("analytic", "trace") and abs(float(pred.split()[1].rstrip("%"))) <= 5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated model_types (default: every causal LM)")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    register()
+    names = args.only.split(",") if args.only else families()
+    rows, start = [], time.time()
+    for name in names:
+        began = time.time()
+        try:
+            with deadline(TIMEOUT_S):
+                row = survey(name)
+        except Timeout as exc:
+            row = {"family": name, "why": f"timeout: {exc}"}
+        rows.append(row)
+        print(f"{name:24s} {time.time() - began:5.1f} s  " + "  ".join(f"{k}={row.get(k, '')}" for k in COLUMNS[1:]
+                                                                   if row.get(k)), flush=True)
+    import transformers
+
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    good = sum(map(ok, rows))
+    text = (f"# Every causal LM family of transformers at toy size, on the CPU\n\n"
+            f"`python benchmarks/hf_families.py` ({__doc__.splitlines()[2].strip()}): each family at 2 layers, "
+            f"hidden 64, 128 tokens, batch 4 x 16, AdamW; its config's own defaults otherwise.\n"
+            f"Machine: {platform.node()} ({platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs), "
+            f"torch {torch.__version__}, transformers {transformers.__version__}, commit {sha}; "
+            f"{time.time() - start:.0f} s.\n\n"
+            f"**{good} of {len(rows)}** train, keep their losses under block and selective-op recompute "
+            f"and the chunked loss, and are predicted within 5%.\n\n{table(rows)}\n")
+    out = args.results / "cpu" / "hf_families.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"{good} of {len(rows)} families whole; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
