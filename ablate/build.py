@@ -98,7 +98,7 @@ def pick_device(requested: str) -> torch.device:
 def build_model(t: Techniques, device: torch.device, compile: bool = False) -> nn.Module:
     # 1. Materialise on the device in the parameter dtype (the precision option decides how),
     #    then load init_from's weights, if any, into it.
-    model = t.precision.materialize(t.model.build, device)
+    model = t.precision.materialize(t.model, device)
     t.model.load_weights(model)
     adapter = t.model.adapter  # where the layers are, for every technique below
     t.loss.attach(model, adapter)  # before any wrapper: the model's own forward hands its hidden states to the loss

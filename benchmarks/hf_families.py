@@ -38,6 +38,7 @@ from ablate.measure import traced_step  # noqa: E402
 from ablate.outcome import predicted  # noqa: E402
 from ablate.schema import register  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
+from ablate.techniques import Invalid  # noqa: E402
 from ablate.train import train_step  # noqa: E402
 
 # A family's size keys, small: whichever of these its config has (names differ between families).
@@ -129,11 +130,13 @@ def survey(model_type: str) -> dict:
     try:
         keys = tiny(model_type)
     except Exception as exc:  # noqa: BLE001  (a config transformers cannot make with its defaults)
-        return {**row, "builds": "no", "why": f"config: {first_line(exc)}"}
+        return {**row, "builds": "config", "why": f"transformers' defaults: {first_line(exc)}"}
     try:
         plain, peak = train(keys)
-    except Exception as exc:  # noqa: BLE001  (an Invalid row with its reason, or a crash: both are data)
-        return {**row, "builds": "no", "why": first_line(exc)}
+    except Invalid as exc:  # a run's invalid row: ablate says why it cannot train this family
+        return {**row, "builds": "invalid", "why": str(exc).splitlines()[0][:160]}
+    except Exception as exc:  # noqa: BLE001  (a run's error row: a crash ablate did not foresee)
+        return {**row, "builds": "error", "why": first_line(exc)}
     finite = all(map(torch.isfinite, torch.tensor(plain)))
     row.update(builds="yes", trains="yes" if finite and plain[-1] < plain[0] else f"no: {plain}")
     for name, extra in VARIANTS.items():

@@ -93,3 +93,55 @@ def test_a_padding_token_row_stays_zero_after_the_deferred_draws():
     emb = model.lm.get_input_embeddings().weight
     assert model.lm.get_input_embeddings().padding_idx == 5
     assert emb[5].abs().sum() == 0 and emb[4].abs().sum() > 0 and torch.isfinite(emb).all()
+
+
+class _Constants(nn.Module):
+    """A module that sets values in its own __init__ which no initialiser writes again (as
+    Apertus's xIELU does), beside a weight its reset_parameters draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+        self.alpha = nn.Parameter(torch.full((1,), 0.8))
+        self.register_buffer("table", torch.arange(6), persistent=False)
+        self.register_buffer("pair", torch.tensor([1.0, 2.0]).to(torch.bfloat16))
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight)
+        with torch.no_grad():
+            self.pair[0] = 5.0  # part of a tensor: the rest is still unwritten
+
+    def tie_weights(self):
+        pass
+
+
+def test_what_no_initialiser_writes_comes_from_the_modules_own_init():
+    from ablate.techniques.precision import _initialised
+
+    with on_meta():
+        model = _Constants()
+    torch.manual_seed(0)
+    _initialised(model, torch.device("cpu"), _Constants)
+    assert model.alpha.item() == pytest.approx(0.8) and torch.equal(model.table, torch.arange(6))
+    assert model.pair.tolist() == [1.0, 2.0]  # wholly the module's: a half-written tensor is not trusted
+    assert torch.isfinite(model.weight).all() and model.weight.std() > 0.3  # drawn, as before
+
+
+def test_a_family_whose_module_sets_its_own_constants_starts_as_transformers_builds_it():
+    """Apertus's xIELU activation sets its alphas, beta and eps from constants in __init__, which
+    transformers' _init_weights does not write: built on meta, they were whatever memory held, so
+    the losses changed from one run to the next and recompute seemed to change them too."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import train_nano
+    from tests.test_families import _GQA
+
+    keys = [*_GQA, "model.config.head_dim=16", "model.config.num_hidden_layers=2", "model.config.vocab_size=128"]
+    tiny_apertus = ["model=hf", "+model.config.model_type=apertus", *(f"+{k}" for k in keys), "data.vocab_size=128"]
+    plain, model, _, t = train_nano(tiny_apertus, steps=0)
+    act = model.lm.model.layers[1].mlp.act_fn
+    theirs = AutoModelForCausalLM.from_config(t.model.hf_config).model.layers[1].mlp.act_fn
+    for name in ("alpha_p", "alpha_n", "beta", "eps"):
+        assert torch.equal(getattr(act, name), getattr(theirs, name)), name
+    assert train_nano(tiny_apertus)[0] == train_nano(tiny_apertus)[0]  # the same every run
+    assert train_nano([*tiny_apertus, "checkpoint=block"])[0] == pytest.approx(train_nano(tiny_apertus)[0], rel=1e-5)

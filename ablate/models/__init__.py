@@ -204,6 +204,13 @@ class Family(Option, abc.ABC):
     def build(self) -> nn.Module:
         """The model, on the current default device and dtype, initialised (or skipped on meta)."""
 
+    def constants(self) -> nn.Module:
+        """The model built for real on the host: the values its modules set in their own `__init__`,
+        which a build on meta lacks (ablate/models/unset.py). Its random draws are made on a copy of
+        the random state, so the caller's draws stay as they were."""
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            return self.build()
+
     def load_weights(self, model: nn.Module) -> None:
         """Copy `init_from`'s weights into `model` in place; nothing without one."""
 

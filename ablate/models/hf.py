@@ -249,6 +249,15 @@ class HFCausalLM(Family):
     def build(self) -> nn.Module:
         return self._build(self.hf_config)
 
+    def constants(self) -> nn.Module:
+        """As Family's, with no initialiser run (transformers' no_init_weights): the weights are
+        uninitialised host memory, which a 7B model's pages never touch."""
+        _transformers()  # the install check: an invalid row naming the extra, not an ImportError
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            return super().constants()
+
     def _build(self, config) -> CausalLM:
         tf = _transformers()
         try:

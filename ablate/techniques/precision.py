@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ablate.model import on_meta
+from ablate.models.unset import initialise
 from ablate.techniques import Invalid, Option, Plan, require_fp8_gpu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,8 +55,9 @@ class Precision(Option):
         """Swap layers for ones computing in another format (fp8); the others keep the model as it is."""
         return model
 
-    def materialize(self, make: Callable[[], nn.Module], device: torch.device) -> nn.Module:
-        """Build the model with `make()` and put it on `device` in the parameter dtype.
+    def materialize(self, family, device: torch.device) -> nn.Module:
+        """Build the model option `family` (an ablate.models.Family) and put it on `device` in the
+        parameter dtype.
 
         Either way it is built on the meta device (shapes only) and initialised once: a plain build
         runs every layer's own initialiser and then the model's, drawing each weight twice (for
@@ -63,17 +65,19 @@ class Precision(Option):
         """
         dtype = DTYPES[self.param_dtype]
         with on_meta():  # shapes only: nothing allocated anywhere
-            model = make()
+            model = family.build()
         if not self.init_on_device:  # fp32 on the host first, then moved and cast
-            return _initialised(model, torch.device("cpu")).to(device=device, dtype=dtype)
-        return _initialised(model.to(dtype), device)  # allocated once, on the device, already in `dtype`
+            return _initialised(model, torch.device("cpu"), family.constants).to(device=device, dtype=dtype)
+        # allocated once, on the device, already in `dtype`
+        return _initialised(model.to(dtype), device, family.constants)
 
 
-def _initialised(model: nn.Module, device: torch.device) -> nn.Module:
-    """A meta model given storage on `device` and its initial values there."""
+def _initialised(model: nn.Module, device: torch.device, constants: Callable[[], nn.Module]) -> nn.Module:
+    """A meta model given storage on `device` and its initial values there; a value no
+    initialiser writes (a module's own constant) comes from `constants()` (ablate/models/unset.py)."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives every parameter new storage, which unties shared ones
-    model.reset_parameters()
+    initialise(model, model.reset_parameters, constants)
     return model
 
 
