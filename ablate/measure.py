@@ -7,6 +7,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -134,6 +135,9 @@ class Trace:
 _GLOBAL = "Global"  # ModTracker's name for "inside no module" (the optimizer step, the loss outside forward)
 
 
+_NO_HOOK = types.SimpleNamespace(remove=lambda: None)  # a hook handle's interface, for a hook never made
+
+
 class _CategoryTracker(MemTracker):
     """MemTracker reduced to what a Trace reports: the peak total with the breakdown at it, each
     category's own maximum, and where the memory went, per module.
@@ -191,6 +195,15 @@ class _CategoryTracker(MemTracker):
     def _pre_fw_hook(self, module, inputs) -> None:
         super()._pre_fw_hook(module, inputs)
         self._enter_window(module)
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        # MemTracker hooks every parameter's gradient, and torch refuses a hook on a parameter that
+        # needs none (a frozen router bias: AFMoE, ERNIE 4.5 MoE): the step failed. Such a
+        # parameter is given a pair of handles that hook nothing; it never has a gradient to count.
+        for param in module.parameters():
+            if not param.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_bw_hook(self, module, args) -> None:
         super()._pre_bw_hook(module, args)

@@ -188,6 +188,24 @@ def test_breakdown_categories_on_cpu():
     assert trace.category_max["activations"] >= 64 * 256 * 4 / 2**20  # the input saved for backward
 
 
+def test_a_frozen_parameter_is_traced_as_a_parameter_without_a_gradient():
+    """A parameter that needs no gradient (a mixture's router bias, as in AFMoE and ERNIE 4.5 MoE)
+    made MemTracker fail the step: torch refuses a gradient hook on it."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    model[1].bias.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    def step():
+        model(torch.randn(64, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    trace = traced_step(step, model, opt, torch.device("cpu"))
+    assert trace.category_max["params"] * 2**20 == 2 * (256 * 256 + 256) * 4
+    assert trace.category_max["grads"] * 2**20 == 2 * 256 * 256 * 4 + 256 * 4  # no gradient for the frozen bias
+    assert model[1].bias.grad is None and model[1].weight.grad is None  # hooks gone, step done
+
+
 def test_event_reader_waits_for_complete_lines(tmp_path):
     writer, reader = EventWriter(tmp_path), EventReader(tmp_path)
     writer.emit("phase", phase="init", x=float("inf"))
