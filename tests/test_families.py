@@ -271,6 +271,12 @@ def test_what_a_family_cannot_do_is_invalid_and_names_the_key():
         *tiny("granite", "+model.config.logits_scaling=8.0", "loss=fused"))
     assert "model.config.model_type='vit' is not a causal LM in transformers" in refused(
         "model=hf", "+model.config.model_type=vit")
+    # a vision model around a language model: its language model's model_type named (was an
+    # AttributeError on the config's missing vocab_size: an error row saying nothing of the fix)
+    assert refused("model=hf", "+model.config.model_type=llama4") == (
+        "model.config.model_type='llama4' is a multimodal model; ablate trains its language model alone: "
+        "model.config.model_type='llama4_text', with the keys of its config.json's text_config")
+    assert "model.config.model_type='gemma3_text'" in refused("model=hf", "+model.config.model_type=gemma3")
     # a padding id beyond a vocabulary made smaller: Phi-3's 32000 at 128 tokens
     assert ("model.config.pad_token_id=32000 is not a row of the 128-token embedding (model.config.vocab_size): "
             "give model.config.pad_token_id=null" in refused(*[k for k in tiny("phi3") if "pad_token_id" not in k]))

@@ -149,6 +149,15 @@ def find_adapter(model: CausalLM) -> Adapter:
                    routed=routed)
 
 
+def _language_model(model_type: str) -> str:
+    """What to give instead of a multimodal model_type (Gemma 3, Llama 4): its language model's."""
+    try:
+        text = _transformers().AutoConfig.for_model(model_type).get_text_config().model_type
+    except ValueError:  # several (MusicGen: a text encoder and a decoder)
+        return "its language model's model_type, with the keys of that part of its config.json"
+    return f"model.config.model_type={text!r}, with the keys of its config.json's text_config"
+
+
 class HFCausalLM(Family):
     """A transformers causal LM from its config: `config_path` (a directory with config.json, or
     the file), then the keys of `config` on top (`model.config.num_hidden_layers=2`); without a
@@ -184,6 +193,10 @@ class HFCausalLM(Family):
                 self._hf_config = None  # a vision model (vit), an encoder-decoder (t5): no causal LM class
                 raise Invalid(f"model.config.model_type={keys['model_type']!r} is not a causal LM in transformers "
                               f"(AutoModelForCausalLM has no class for it): ablate trains decoder-only models")
+            if not hasattr(self._hf_config, "vocab_size"):  # a vision or audio model around a language model
+                self._hf_config = None
+                raise Invalid(f"model.config.model_type={keys['model_type']!r} is a multimodal model; ablate trains "
+                              f"its language model alone: {_language_model(keys['model_type'])}")
         return self._hf_config
 
     def _file_config(self) -> dict[str, Any]:
