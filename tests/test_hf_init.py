@@ -134,10 +134,8 @@ def test_a_family_whose_module_sets_its_own_constants_starts_as_transformers_bui
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import train_nano
-    from tests.test_families import _GQA
 
-    keys = [*_GQA, "model.config.head_dim=16", "model.config.num_hidden_layers=2", "model.config.vocab_size=128"]
-    tiny_apertus = ["model=hf", "+model.config.model_type=apertus", *(f"+{k}" for k in keys), "data.vocab_size=128"]
+    tiny_apertus = _tiny_apertus()
     plain, model, _, t = train_nano(tiny_apertus, steps=0)
     act = model.lm.model.layers[1].mlp.act_fn
     theirs = AutoModelForCausalLM.from_config(t.model.hf_config).model.layers[1].mlp.act_fn
@@ -145,3 +143,22 @@ def test_a_family_whose_module_sets_its_own_constants_starts_as_transformers_bui
         assert torch.equal(getattr(act, name), getattr(theirs, name)), name
     assert train_nano(tiny_apertus)[0] == train_nano(tiny_apertus)[0]  # the same every run
     assert train_nano([*tiny_apertus, "checkpoint=block"])[0] == pytest.approx(train_nano(tiny_apertus)[0], rel=1e-5)
+
+
+def _tiny_apertus() -> list[str]:
+    from tests.test_families import _GQA
+
+    keys = [*_GQA, "model.config.head_dim=16", "model.config.num_hidden_layers=2", "model.config.vocab_size=128"]
+    return ["model=hf", "+model.config.model_type=apertus", *(f"+{k}" for k in keys), "data.vocab_size=128"]
+
+
+def test_a_family_computing_constants_in_its_init_is_traced():
+    """predict=trace builds the model on meta under a fake mode, where xIELU's log(expm1(0.8)) is a
+    meta tensor the fake mode refused: Apertus had no prediction at all."""
+    from ablate.predict.trace import trace
+    from tests.helpers import compose_spec
+    from tests.test_predict import measured
+
+    base = ["device=cpu", "batch_size=8", "seq_len=32", "optimizer=adamw_foreach"]
+    predicted = trace(compose_spec([*base, *_tiny_apertus()])).peak_mib
+    assert predicted == pytest.approx(measured(_tiny_apertus(), base).peak_mib, rel=0.05)

@@ -47,8 +47,11 @@ def trace(spec: RunSpec) -> Prediction:
         t.parallel = par.Single()
     if isinstance(t.optimizer, lowbit.LowBitAdamW):  # torchao caches its quantisation tables for the process:
         t.optimizer.make_tables()  # made here, of real values, not in fake mode of 1.0s
-    with _fake_world(t.parallel, t.offload), FakeTensorMode() as mode, _real_optimizer_defaults(), _value_reads(t), \
-            _moe_grouped_mm():
+    # allow_non_fake_inputs: a module that computes a constant in its __init__ (Apertus's xIELU:
+    # log(expm1(0.8))) computes it on meta, as the model is built there, and the fake mode takes it
+    # as a constant; refused, such a family had no trace at all.
+    with _fake_world(t.parallel, t.offload), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+            _real_optimizer_defaults(), _value_reads(t), _moe_grouped_mm():
         with _swappable_params(mode):
             # compile=true is traced eager: compiled kernels cannot run on fake tensors. Inductor's
             # fusions usually keep fewer activations, so this tends to over-predict such runs.
