@@ -188,6 +188,10 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     register()
+    # the commit the code under test came from: read before the run, which takes a while
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "ablate"], cwd=ROOT, capture_output=True, text=True).stdout
+    sha += " (with uncommitted changes under ablate/)" if dirty.strip() else ""
     names = args.only.split(",") if args.only else families()
     rows, start = [], time.time()
     for name in names:
@@ -202,7 +206,6 @@ def main() -> None:
                                                                    if row.get(k)), flush=True)
     import transformers
 
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     good = sum(map(ok, rows))
     text = (f"# Every causal LM family of transformers at toy size, on the CPU\n\n"
             f"`python benchmarks/hf_families.py` ({__doc__.splitlines()[2].strip()}): each family at 2 layers, "
