@@ -17,8 +17,10 @@ ablate's synthetic Markov-chain data), block and ops recompute and the chunked l
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -207,14 +209,19 @@ def main() -> None:
     import transformers
 
     good = sum(map(ok, rows))
+    ends = collections.Counter(r.get("builds", "timeout") for r in rows)
+    counts = ", ".join(f"{n} {what}" for what, n in ends.most_common())
     text = (f"# Every causal LM family of transformers at toy size, on the CPU\n\n"
-            f"`python benchmarks/hf_families.py` ({__doc__.splitlines()[2].strip()}): each family at 2 layers, "
+            f"`{shlex.join(['python', 'benchmarks/hf_families.py', *sys.argv[1:]])}`: each family at 2 layers, "
             f"hidden 64, 128 tokens, batch 4 x 16, AdamW; its config's own defaults otherwise.\n"
             f"Machine: {platform.node()} ({platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs), "
             f"torch {torch.__version__}, transformers {transformers.__version__}, commit {sha}; "
             f"{time.time() - start:.0f} s.\n\n"
             f"**{good} of {len(rows)}** train, keep their losses under block and selective-op recompute "
-            f"and the chunked loss, and are predicted within 5%.\n\n{table(rows)}\n")
+            f"and the chunked loss, and are predicted within 5%. How each build ended: {counts}. "
+            f"`invalid`: ablate refuses the family with a reason (a run's invalid row); `error`: it crashed "
+            f"(a run's error row); `config`: transformers cannot make the family's config at these sizes.\n\n"
+            f"{table(rows)}\n")
     out = args.results / "cpu" / "hf_families.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
