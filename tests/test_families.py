@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import subprocess
 import sys
 
 import pytest
@@ -17,7 +18,7 @@ from ablate.models.hf import CausalLM
 from ablate.predict.analytic import analytic
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
-from tests.helpers import compose_config, compose_spec, results_under, run_cli, slow_except, train_nano
+from tests.helpers import ROOT, compose_config, compose_spec, results_under, run_cli, slow_except, train_nano
 from tests.test_predict import measured
 
 # Parameter counts of the published models (their model cards and transformers agree).
@@ -416,3 +417,18 @@ def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
         assert rows[("parallel", parallel)] == pytest.approx(plain, rel=1e-4), parallel
     pure = rows[("precision", "bf16_pure")]
     assert pure[-1] < pure[0] and pure != plain
+
+
+@pytest.mark.slow
+def test_the_family_survey_finds_what_this_session_mended(tmp_path):
+    """benchmarks/hf_families.py on four families: Apertus (constants set in __init__) and AFMoE (a
+    frozen router bias) train whole, recompute included; Gemma 3 (multimodal) is refused by name."""
+    out = subprocess.run([sys.executable, "benchmarks/hf_families.py", "--only", "llama,apertus,afmoe,gemma3",
+                          "--results", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in (tmp_path / "cpu" / "hf_families.md").read_text().splitlines() if line.startswith("| ")}
+    for family in ("llama", "apertus", "afmoe"):
+        assert rows[family][:5] == ["yes", "yes", "same", "same", rows[family][4]], (family, rows[family])
+        assert rows[family][5].split()[0] in ("analytic", "trace"), rows[family]
+    assert rows["gemma3"][0] == "invalid" and "gemma3_text" in rows["gemma3"][-1]
