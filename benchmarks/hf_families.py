@@ -210,6 +210,14 @@ def main() -> None:
 
     good = sum(map(ok, rows))
     ends = collections.Counter(r.get("builds", "timeout") for r in rows)
+    built = [r for r in rows if r.get("builds") == "yes"]
+
+    def tally(column: str, start: str) -> int:
+        return sum(str(r.get(column, "")).startswith(start) for r in built)
+
+    def near(method: str) -> int:
+        return sum(ok({**r, "trains": "yes", **{v: "same" for v in VARIANTS}}) for r in built
+                   if r.get("predicted", "").startswith(method))
     counts = ", ".join(f"{n} {what}" for what, n in ends.most_common())
     text = (f"# Every causal LM family of transformers at toy size, on the CPU\n\n"
             f"`{shlex.join(['python', 'benchmarks/hf_families.py', *sys.argv[1:]])}`: each family at 2 layers, "
@@ -217,8 +225,13 @@ def main() -> None:
             f"Machine: {platform.node()} ({platform.machine()}, {len(__import__('os').sched_getaffinity(0))} CPUs), "
             f"torch {torch.__version__}, transformers {transformers.__version__}, commit {sha}; "
             f"{time.time() - start:.0f} s.\n\n"
-            f"**{good} of {len(rows)}** train, keep their losses under block and selective-op recompute "
-            f"and the chunked loss, and are predicted within 5%. How each build ended: {counts}. "
+            f"How each build ended: {counts}. Of the {len(built)} built, {tally('trains', 'yes')} train, "
+            f"block recompute keeps the losses of {tally('block', 'same')} and selective-op recompute of "
+            f"{tally('ops', 'same')}; the chunked loss keeps them in {tally('chunked', 'same')} and refuses "
+            f"{tally('chunked', 'Invalid')} (not on ablate's list of families whose logits are checked to "
+            f"be the head's output alone, hf.PLAIN_HEAD); {near('analytic')} are predicted within 5% by "
+            f"the analytic model and {near('trace')} by the trace, {tally('predicted', 'none')} not at all. "
+            f"**{good} of {len(rows)}** are whole: all of that, the chunked loss included. "
             f"`invalid`: ablate refuses the family with a reason (a run's invalid row); `error`: it crashed "
             f"(a run's error row); `config`: transformers cannot make the family's config at these sizes.\n\n"
             f"{table(rows)}\n")
