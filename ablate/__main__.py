@@ -1,22 +1,14 @@
 """`python -m ablate [-m] group=option,... key=value`: compose conf/, run each grid point as a job."""
 import signal
 import sys
-from pathlib import Path
 
 import hydra
-import hydra_plugins
 from omegaconf import DictConfig
 
-import launch
+import launch  # noqa: F401  (importing it lets Hydra list ablate's launchers: launch/__init__.py)
 from ablate.schema import CONF, register, unknown_key
 
 register()
-# Hydra finds launchers by listing the `hydra_plugins` namespace folders. An editable install maps
-# hydra_plugins.ablate_launcher to launch/plugins/ (pyproject.toml), which imports fine but is not
-# listed; naming the folder here lets Hydra see conf/hydra/launcher/slurm.yaml's launcher.
-_PLUGINS = Path(launch.__file__).parent / "plugins"
-if _PLUGINS.is_dir() and str(_PLUGINS) not in list(hydra_plugins.__path__):
-    hydra_plugins.__path__.append(str(_PLUGINS))
 
 
 _single: list[dict] = []  # the result of a single run (not -m), for its exit status

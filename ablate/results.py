@@ -31,7 +31,7 @@ METRIC_KEYS = (
     "peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
     "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
     "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
-    "gpu_util_pct_std", "compile_s", "skipped_steps", "loss_first", "loss_final", "eval_loss", "loss_floor",
+    "gpu_util_pct_std", "compile_s", "skipped_steps", "traced_step_oom", "loss_first", "loss_final", "eval_loss", "loss_floor",
     "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch",
 )
 # Files a worker leaves beside result.json (ablate/artifacts.py), by the key that names them under
@@ -179,7 +179,8 @@ SECTIONS = {"run_id": str, "status": str, "choices": dict, "config": dict, "over
             "metrics": dict, "prediction": dict, "env": dict, "timing": dict}
 WHOLE_KEYS = ("batch_size",)  # config keys every report table counts by: whole numbers
 _NUMBER = (int, float)
-_STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": list}
+_STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": list,
+               "traced_step_oom": bool}  # true: the traced step's OOM (no breakdown), not training's
 
 
 def problem(obj) -> str | None:
@@ -206,7 +207,7 @@ def problem(obj) -> str | None:
     metrics = obj["metrics"]
     for key, value in metrics.items():
         kind = _STRUCTURED.get(key, _NUMBER)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        if value is not None and (not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)):
             return f"metrics.{key} is {value!r}, not a {'number' if kind is _NUMBER else kind.__name__} or null"
     return None
 

@@ -243,3 +243,50 @@ def test_points_per_gpu_runs_a_sweeps_points_side_by_side_on_one_gpu(tmp_path):
     bad = run_cli(["-m", "hydra.launcher.gpus=[0]", "hydra.launcher.points_per_gpu=0", "optimizer=adamw,sgd",
                    f"hydra.sweep.dir={tmp_path}/bad", *small], tmp_path, fast=False)
     assert bad.returncode != 0 and "hydra.launcher.points_per_gpu=0 must be a positive integer" in bad.stderr
+
+
+def test_a_job_unpickles_its_launcher_where_ablate_is_not_installed(tmp_path):
+    """A pool job unpickles the launcher in a fresh process. On the GPU host the checkout runs from
+    PYTHONPATH, not installed, and every job of the first pool sweep there (2026-11-26) ended on
+    `No module named 'hydra_plugins.ablate_launcher'` before it started. `python -S` here: the
+    packages on PYTHONPATH as there, without the editable install's finder (a .pth file)."""
+    import sysconfig
+
+    import cloudpickle  # what submitit pickles a job's function with
+
+    from hydra_plugins.ablate_launcher import launchers
+
+    for launcher in (launchers.GpuPoolLauncher(points_per_gpu=2, submitit_folder=str(tmp_path)),
+                     launchers.SlurmLauncher(submitit_folder=str(tmp_path))):
+        (tmp_path / "job.pkl").write_bytes(cloudpickle.dumps(launcher))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([sysconfig.get_paths()["purelib"], str(ROOT)])}
+        code = ("import pickle, sys; job = pickle.load(open('job.pkl', 'rb')); "
+                "print(type(job).__module__, type(job).__name__, sorted(job.params))")
+        out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split(maxsplit=2)[:2] == ["hydra_plugins.ablate_launcher.launchers", type(launcher).__name__]
+        assert out.stdout.split(maxsplit=2)[2].strip() == str(sorted(launcher.params))
+
+
+def test_a_job_that_left_no_result_is_a_row_naming_why(tmp_path):
+    """Exited on its own (submitit writes no result where the job could not even load its
+    function): the last line of its log. Killed (a signal; SLURM's time limit): the likely causes."""
+    from hydra_plugins.ablate_launcher import launchers
+
+    class Job:
+        job_id = "17"
+
+        def __init__(self, state, log):
+            self.state, self.paths = state, type("Paths", (), {"stderr": log})()
+
+    log = tmp_path / "17_0_log.err"
+    log.write_text("submitit ERROR - Submitted job triggered an exception\nTraceback (most recent call last):\n"
+                   "ModuleNotFoundError: No module named 'hydra_plugins.ablate_launcher'\n\n")
+    exited = launchers._no_result(Job("FINISHED", log), "local submitit job", "killed")
+    assert exited == (f"local submitit job 17 ended FINISHED without a result: ModuleNotFoundError: No module "
+                      f"named 'hydra_plugins.ablate_launcher' (its log: {log})")
+    assert launchers._no_result(Job("INTERRUPTED", log), "local submitit job", "killed: OOM?") == \
+        "local submitit job 17 ended INTERRUPTED without a result (killed: OOM?)"
+    assert launchers._no_result(Job("FINISHED", tmp_path / "none.err"), "local submitit job", "killed") == \
+        "local submitit job 17 ended FINISHED without a result (killed)"

@@ -30,13 +30,47 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf
 
 from launch import cpus as host_cpus
+from launch import rebuild_launcher
 from launch.gpu_pool import Lease, Point, gpus_wanted, host_gpus, packed
 from launch.nvml import near_cpus
 
 log = logging.getLogger(__name__)
 
 
-class SlurmLauncher(PluginSlurmLauncher):
+class _Portable:
+    """Pickled by name through `launch`: a job unpickles its launcher in a fresh process, where
+    `hydra_plugins.ablate_launcher` imports only once launch/__init__.py has named its folder. A
+    checkout run from PYTHONPATH without an install (the GPU host, 2026-11-26) otherwise failed
+    every pool job on `No module named 'hydra_plugins.ablate_launcher'` before it started."""
+
+    def __reduce__(self):
+        return rebuild_launcher, (type(self).__name__, self.__dict__)
+
+
+def _job_log_tail(job: Any) -> str:
+    """The last line of a submitit job's stderr (its traceback's last line, where it raised
+    before it could write a result), or ""."""
+    try:
+        lines = [line for line in Path(job.paths.stderr).read_text(errors="replace").splitlines() if line.strip()]
+    except (OSError, AttributeError):
+        return ""
+    return lines[-1].strip()[:300] if lines else ""
+
+
+EXITED = ("FINISHED", "COMPLETED", "FAILED")  # a job's states (local, SLURM) when it exited on its own, unkilled
+
+
+def _no_result(job: Any, what: str, killed: str) -> str:
+    """The reason of a job that left no result: for one that exited on its own (e.g. it could not
+    unpickle its function: submitit writes no result then), its log's last line; for one killed
+    (a signal, a time limit), `killed`, the likely causes."""
+    state = job.state
+    tail = _job_log_tail(job) if state in EXITED else ""
+    return (f"{what} {job.job_id} ended {state} without a result: {tail} (its log: {job.paths.stderr})"
+            if tail else f"{what} {job.job_id} ended {state} without a result ({killed})")
+
+
+class SlurmLauncher(_Portable, PluginSlurmLauncher):
     def _executor(self):
         import submitit
 
@@ -64,8 +98,7 @@ class SlurmLauncher(PluginSlurmLauncher):
         try:
             return job.results()[0]
         except UncompletedJobError:
-            reason = (f"SLURM job {job.job_id} ended {job.state} without a result "
-                      "(time limit, scancel, out-of-memory kill or node failure)")
+            reason = _no_result(job, "SLURM job", "time limit, scancel, out-of-memory kill or node failure")
             # COMPLETED as far as Hydra goes: the point's failure is its row, and Hydra's sweeper
             # would otherwise abort the whole sweep on a FAILED return.
             ret = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
@@ -79,7 +112,7 @@ class SlurmLauncher(PluginSlurmLauncher):
         return record_unlaunched(self.hydra_context, self.config, overrides, "error", reason)
 
 
-class LocalLauncher(PluginLocalLauncher):
+class LocalLauncher(_Portable, PluginLocalLauncher):
     """hydra-submitit-launcher's local launcher, one point at a time: points running side by side
     on one GPU would share (and pollute) the memory each of them measures. Each point sees the
     sweep's GPUs (the first `gpus_per_node` of them when set): the plugin's own launch hides them
@@ -129,8 +162,8 @@ class LocalLauncher(PluginLocalLauncher):
         try:
             return job.results()[0]
         except UncompletedJobError:
-            reason = (f"local submitit job {job.job_id} ended {job.state} without a result "
-                      "(killed outside Python: the host's out-of-memory killer, kill -9)")
+            reason = _no_result(job, "local submitit job",
+                                "killed outside Python: the host's out-of-memory killer, kill -9")
             log.error(f"{' '.join(overrides)}: {reason}")
             ret = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
             ret.return_value = record_unlaunched(self.hydra_context, self.config, list(overrides), "error", reason)
