@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from ablate.schema import GROUPS, option_defaults
-from analysis.load import RUN_KEYS, text
+from analysis.load import RUN_KEYS, flat, text
 
 # The do-nothing option of each group: a run's label lists only what differs from these.
 BASELINE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
@@ -71,7 +71,7 @@ def away_from_default(df: pd.DataFrame, col: str) -> pd.Series:
     group, key = col.split(".", 1)
     options = df[group].astype(str)
     for option in options.unique():
-        defaults = option_defaults(group, option)
+        defaults = dict(flat(option_defaults(group, option)))
         if key in defaults:
             rows = options == option
             values = df.loc[rows, col]

@@ -4,6 +4,7 @@ card the runs were judged against, and saving a figure. The figures themselves a
 """
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import re
@@ -78,12 +79,18 @@ def drawn(jobs: list, meanwhile, first: list[int] = ()):
     return result, [done[i] for i in range(len(jobs)) if done[i] is not None]
 
 
+SLUG_CHARS = 96  # of a family in a plot's file name: file systems take 255 bytes; a hash keeps it unique
+
+
 def family_file(stem: str, family: str | None) -> str:
     """A plot's file name: `stem`.png for the runs' one family, `stem`-<what the family holds fixed>.png
     for each of several ("pareto-gpt2-seq_len-64.png")."""
     if family is None:
         return f"{stem}.png"
-    return f"{stem}-{re.sub(r'[^A-Za-z0-9._-]+', '-', family.replace('model=', ''))}.png"
+    slug = re.sub(r'[^A-Za-z0-9._-]+', '-', family.replace('model=', ''))
+    if len(slug) > SLUG_CHARS:  # a family that holds a whole model config fixed (model.config=...)
+        slug = f"{slug[:SLUG_CHARS - 9]}-{hashlib.sha1(family.encode()).hexdigest()[:8]}"
+    return f"{stem}-{slug}.png"
 
 
 def save(fig, out: str | Path, name: str) -> Path:

@@ -39,7 +39,7 @@ def _row(result: dict, path: Path) -> dict:
     row["accumulation_steps"] = (config.get("accumulation") or {}).get("steps")
     row["rung"] = config.get("rung")
     for group in GROUPS:  # every option key as "group.key" (strings: they are labels, and mixed types sort)
-        row.update({f"{group}.{k}": text(v) for k, v in (config.get(group) or {}).items() if k != "_target_"})
+        row.update({f"{group}.{k}": text(v) for k, v in flat(config.get(group) or {}) if k != "_target_"})
     row.update({k: v for k, v in metrics.items() if not isinstance(v, (dict, list))})
     row["losses"] = metrics.get("losses") or None  # per-step list, for loss curves
     prediction = result.get("prediction") or {}
@@ -80,6 +80,17 @@ def _sweep_task(sweep: Path) -> list[str] | None:
     if not isinstance(task, list) or not isinstance(own, list):
         return None
     return [str(t) for t in task] + [str(h) for h in own if not str(h).startswith("hydra.mode=")]
+
+
+def flat(options: dict, prefix: str = ""):
+    """An option's keys, a mapping's own keys each in turn ("config.hidden_size": a model's
+    transformers config is a mapping): a column per key that can differ, not one for the whole
+    config, which named a family by all of its keys (the H200's MoE report, 2026-11-26)."""
+    for key, value in options.items():
+        if isinstance(value, dict) and value:
+            yield from flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def text(value) -> str:

@@ -27,7 +27,7 @@ from ablate.job import git_sha  # noqa: E402  (needs ROOT on the path)
 from ablate.predict.analytic import analytic  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
 from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
-from analysis.load import LEGACY  # noqa: E402
+from analysis.load import LEGACY, flat  # noqa: E402
 
 # compile: on CUDA the model plays the compiled loss, and the key tells a compiled row from its
 # eager twin in the table.
@@ -40,7 +40,7 @@ def overrides(preset: str | None, row: pd.Series) -> list[str]:
     for group in GROUPS:
         option = row[group] if group in row and _set(row[group]) else LEGACY[group]  # a group newer than the record
         out.append(f"{group}={option}")
-        for key, default in option_defaults(group, option).items():
+        for key, default in flat(option_defaults(group, option)):  # "config.hidden_size" too
             value = row.get(f"{group}.{key}")
             if not str(key).startswith("_") and _set(value) and not _same(value, default):
                 out.append(f"{group}.{key}={value}")

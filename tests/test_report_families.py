@@ -251,3 +251,41 @@ def test_a_presets_rungs_keep_their_order_in_the_setting_table(tmp_path):
     md = _report(tmp_path)
     assert _firsts(md, "Setting") == ["Baseline (batch size = 8)", "+ SGD + Block recompute",
                                       "+ SGD + bf16 AMP + Block recompute", "+ Parameter offload"]
+
+
+def test_a_family_of_a_whole_model_config_gets_a_plot_file_the_file_system_takes():
+    """Two MoE models with their configs overridden (the H200's Mixtral and OLMoE rows, 2026-11-26)
+    are families named by the whole model.config: the plot's file name was 420 characters, and the
+    report failed with "File name too long". Now long names are cut and end in a hash of the family."""
+    config = ", ".join(f"'key_{i}': {i}" for i in range(40))
+    one, two = (f"model=mixtral-8x7b, model.config={{{config}, 'experts': {n}}}" for n in (4, 8))
+    names = [family_file("breakdown", f) for f in (one, two)]
+    assert all(len(n.encode()) <= 255 and n.startswith("breakdown-mixtral-8x7b-model.config-key_0-0") for n in names)
+    assert names[0] != names[1] and names == [family_file("breakdown", f) for f in (one, two)]  # distinct, stable
+    assert family_file("pareto", "gpt2, seq_len=64") == "pareto-gpt2-seq_len-64.png"  # a short one as before
+
+
+def test_two_models_with_overridden_configs_are_named_by_the_keys_set_not_by_whole_configs(tmp_path):
+    """The H200's MoE rows (2026-11-26): Mixtral with model.config.hidden_size=1024 and friends
+    beside OLMoE. model.config was one column holding each transformers config whole, and each
+    family's title (and each plot's title, 6,000 pixels wide) held all of it. Each key is a column
+    now; a key shows where it varies and some run set it away from its model's default."""
+    from ablate.schema import option_defaults
+
+    for model, changed in (("mixtral-8x7b", {"hidden_size": 1024, "intermediate_size": 2048}),
+                           ("olmoe-1b-7b", {})):  # a sweep each, as they ran
+        runs = _sweep(tmp_path / "runs", model, [f"model={model}", "precision=fp32,bf16"])
+        hf = {**option_defaults("model", model)["config"], **changed, "num_hidden_layers": 2}
+        for precision in ("fp32", "bf16"):
+            name = f"{model}-{precision}"
+            metrics = {"peak_allocated_mib": 100.0, "iter_time_ms": 50.0, "loss_final": 4.0, "losses": [5.0, 4.0]}
+            config = {"batch_size": 8, "seq_len": 64, "steps": 10, "device": "cpu", "model": {"config": hf}}
+            r = results.make(name, "ok", None, {**CHOICES, "model": model, "precision": precision}, config, [],
+                             metrics=metrics, env=CPU)
+            results.write_json(runs / name / "result.json", r)
+    md = _report(tmp_path)
+    assert "they differ in model, model.config.hidden_size, model.config.intermediate_size," in md
+    assert "'model_type'" not in md and "{" not in md.split("## All runs", 1)[1].split("\n\n")[1]
+    shown = sorted(p.name for p in (tmp_path / "out").glob("pareto-*.png"))
+    assert shown == ["pareto-mixtral-8x7b-model.config.hidden_size-1024-model.config.intermediate_size-2048.png",
+                     "pareto-olmoe-1b-7b-model.config.hidden_size-2048-model.config.intermediate_size-1024.png"]
