@@ -58,6 +58,13 @@ def header(preset: str, commands: list[list[str]], sweep: Path, here: bool = Tru
     return device_dir(gpu), "\n".join(lines)
 
 
+def left_behind(body: str, sweep: str) -> str:
+    """The report's links into its sweep (each CUDA run's allocator snapshot and per-module CSV,
+    `](../<run>/...)` from the sweep's report/) point at files that stay with the sweep, not beside
+    the recorded page, where they were dead links: written as their paths in the sweep instead."""
+    return re.sub(r"\[[^\]]*\]\(\.\./([^)]+)\)", lambda m: f"`{sweep}/{m.group(1)}`", body)
+
+
 def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), argv: list[str] | None = None) -> Path:
     """Run `preset`'s sweep with `defaults` and the overrides in argv (which replace a default of the
     same key); returns the written Markdown file."""
@@ -96,6 +103,7 @@ def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), arg
             (files / item.name).write_bytes(item.read_bytes())
             body = body.replace(f"]({item.name})", f"]({preset}/{item.name})")
     body = body.replace("# ablate report", "## Report", 1)
+    body = left_behind(body, str(shown))
     md = out / f"{preset}.md"
     md.write_text(top + "\n" + body)
     print(f"wrote {md}")

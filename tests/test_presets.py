@@ -180,3 +180,16 @@ def test_preset_benchmark_on_a_cpu(preset, tmp_path):
     # 48 layers (15 minutes on the 2-core VM); the nano model keeps it to the preset's 6 points.
     md = bench(preset, tmp_path, *(["model=gpt-nano"] if preset == "leanest" else []))
     assert "## Setting" in md or "## All runs" in md
+
+
+def test_a_recorded_page_names_the_snapshots_left_with_the_sweep_instead_of_dead_links():
+    """A CUDA sweep's report links each run's allocator snapshot as ../<run>/memory_snapshot.pickle
+    (from the sweep's report/); copied to benchmarks/results/<device>/ those links led nowhere."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench  # benchmarks/ is no package
+
+    body = ("| a / 32 | ok | [memory_snapshot.pickle](../batch_size=32/memory_snapshot.pickle) | |\n"
+            "![pareto](gpt2_large_ladder/pareto.png) [memory_viz](https://pytorch.org/memory_viz)\n")
+    out = bench.left_behind(body, "outputs/benchmarks/gpt2_large_ladder/t")
+    assert out == ("| a / 32 | ok | `outputs/benchmarks/gpt2_large_ladder/t/batch_size=32/memory_snapshot.pickle` | |\n"
+                   "![pareto](gpt2_large_ladder/pareto.png) [memory_viz](https://pytorch.org/memory_viz)\n")
