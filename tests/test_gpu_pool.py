@@ -272,7 +272,7 @@ def test_a_job_unpickles_its_launcher_where_ablate_is_not_installed(tmp_path):
 def test_a_job_that_left_no_result_is_a_row_naming_why(tmp_path):
     """Exited on its own (submitit writes no result where the job could not even load its
     function): the last line of its log. Killed (a signal; SLURM's time limit): the likely causes."""
-    from hydra_plugins.ablate_launcher import launchers
+    from launch.jobs import no_result
 
     class Job:
         job_id = "17"
@@ -283,10 +283,10 @@ def test_a_job_that_left_no_result_is_a_row_naming_why(tmp_path):
     log = tmp_path / "17_0_log.err"
     log.write_text("submitit ERROR - Submitted job triggered an exception\nTraceback (most recent call last):\n"
                    "ModuleNotFoundError: No module named 'hydra_plugins.ablate_launcher'\n\n")
-    exited = launchers._no_result(Job("FINISHED", log), "local submitit job", "killed")
+    exited = no_result(Job("FINISHED", log), "local submitit job", "killed")
     assert exited == (f"local submitit job 17 ended FINISHED without a result: ModuleNotFoundError: No module "
                       f"named 'hydra_plugins.ablate_launcher' (its log: {log})")
-    assert launchers._no_result(Job("INTERRUPTED", log), "local submitit job", "killed: OOM?") == \
+    assert no_result(Job("INTERRUPTED", log), "local submitit job", "killed: OOM?") == \
         "local submitit job 17 ended INTERRUPTED without a result (killed: OOM?)"
-    assert launchers._no_result(Job("FINISHED", tmp_path / "none.err"), "local submitit job", "killed") == \
+    assert no_result(Job("FINISHED", tmp_path / "none.err"), "local submitit job", "killed") == \
         "local submitit job 17 ended FINISHED without a result (killed)"

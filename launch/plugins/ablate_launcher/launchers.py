@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 from launch import cpus as host_cpus
 from launch import rebuild_launcher
 from launch.gpu_pool import Lease, Point, gpus_wanted, host_gpus, packed
+from launch.jobs import no_result
 from launch.nvml import near_cpus
 
 log = logging.getLogger(__name__)
@@ -45,29 +46,6 @@ class _Portable:
 
     def __reduce__(self):
         return rebuild_launcher, (type(self).__name__, self.__dict__)
-
-
-def _job_log_tail(job: Any) -> str:
-    """The last line of a submitit job's stderr (its traceback's last line, where it raised
-    before it could write a result), or ""."""
-    try:
-        lines = [line for line in Path(job.paths.stderr).read_text(errors="replace").splitlines() if line.strip()]
-    except (OSError, AttributeError):
-        return ""
-    return lines[-1].strip()[:300] if lines else ""
-
-
-EXITED = ("FINISHED", "COMPLETED", "FAILED")  # a job's states (local, SLURM) when it exited on its own, unkilled
-
-
-def _no_result(job: Any, what: str, killed: str) -> str:
-    """The reason of a job that left no result: for one that exited on its own (e.g. it could not
-    unpickle its function: submitit writes no result then), its log's last line; for one killed
-    (a signal, a time limit), `killed`, the likely causes."""
-    state = job.state
-    tail = _job_log_tail(job) if state in EXITED else ""
-    return (f"{what} {job.job_id} ended {state} without a result: {tail} (its log: {job.paths.stderr})"
-            if tail else f"{what} {job.job_id} ended {state} without a result ({killed})")
 
 
 class SlurmLauncher(_Portable, PluginSlurmLauncher):
@@ -98,7 +76,7 @@ class SlurmLauncher(_Portable, PluginSlurmLauncher):
         try:
             return job.results()[0]
         except UncompletedJobError:
-            reason = _no_result(job, "SLURM job", "time limit, scancel, out-of-memory kill or node failure")
+            reason = no_result(job, "SLURM job", "time limit, scancel, out-of-memory kill or node failure")
             # COMPLETED as far as Hydra goes: the point's failure is its row, and Hydra's sweeper
             # would otherwise abort the whole sweep on a FAILED return.
             ret = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
@@ -162,7 +140,7 @@ class LocalLauncher(_Portable, PluginLocalLauncher):
         try:
             return job.results()[0]
         except UncompletedJobError:
-            reason = _no_result(job, "local submitit job",
+            reason = no_result(job, "local submitit job",
                                 "killed outside Python: the host's out-of-memory killer, kill -9")
             log.error(f"{' '.join(overrides)}: {reason}")
             ret = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
