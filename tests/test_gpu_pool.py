@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 
 import psutil
 import pytest
@@ -290,3 +291,26 @@ def test_a_job_that_left_no_result_is_a_row_naming_why(tmp_path):
         "local submitit job 17 ended INTERRUPTED without a result (killed: OOM?)"
     assert no_result(Job("FINISHED", tmp_path / "none.err"), "local submitit job", "killed") == \
         "local submitit job 17 ended FINISHED without a result (killed)"
+
+
+def test_a_pool_sweep_runs_from_a_checkout_that_is_not_installed(tmp_path):
+    """The GPU host's set-up, end to end: a Python that has the packages but not ablate's install
+    (a venv whose site-packages names this one's in a .pth: no editable finder), the checkout on
+    PYTHONPATH. At 487d578 both points were `error` rows, as all 16 of predict_check's on the H200."""
+    import sysconfig
+
+    bare = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    python = bare / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    assert subprocess.run([python, "-c", "import hydra_plugins.ablate_launcher"], env=env, cwd=tmp_path,
+                          capture_output=True).returncode != 0  # as on the GPU host: importable only via launch
+    small = [f for f in FAST if f not in ("steps=3",)] + ["steps=2", "data.train_samples=32"]
+    proc = subprocess.run([python, "-m", "ablate", "-m", "hydra.launcher.gpus=[0]", "hydra.launcher.points_per_gpu=2",
+                           "optimizer=adamw,sgd", f"hydra.sweep.dir={tmp_path}/s", *small],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["status"] for r in results_under(tmp_path / "s")] == ["ok", "ok"], proc.stdout[-3000:]
