@@ -19,9 +19,6 @@ TOLERANCE = 0.02
 # Records with a run the model is known to miss by more, each with its bound and why (the pages say
 # more). Kept strict: once the model comes within 2% there, the entry must go.
 KNOWN = {
-    # fp32 Mixtral, -5.9%: on CUDA transformers runs the experts through torch's grouped GEMM, which
-    # keeps about 250 MiB more for backward than the eager expert loop the model plays (moe.md).
-    "NVIDIA-H200/moe": 0.06,
     # 4-bit AdamW gpt2-xl on 8 GiB, -3.4%: torchao's compiled step; its traced step ran out of memory,
     # so the row has no breakdown to say where the 196 MiB are (gpt2_xl_8gib.md, session 3).
     "NVIDIA-H200/gpt2_xl_8gib_session3": 0.035,

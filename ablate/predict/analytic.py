@@ -31,7 +31,7 @@ import torch
 
 from ablate.build import Techniques
 from ablate.predict import Prediction
-from ablate.predict.layers import Arch, arch_of, forward_temp, inner_temp, layer_saves, mlp_saves
+from ablate.predict.layers import Arch, arch_of, forward_temp, inner_temp, layer_saves, math_sdpa, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import checkpoint as ckpt
@@ -261,7 +261,8 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     part = t.checkpoint
     z.recompute_with_mlp = not (isinstance(part, ckpt.Layers) or (isinstance(part, ckpt.Sublayer) and part.part == "attn"))
     z.mlp_saved = mlp_saves(sh.arch, sh.sb, z.r, z.c, z.ln)
-    z.blocks = [layer_saves(sh.arch, t.checkpoint, i, sh.sb, z.r, z.c, z.ln) for i in range(sh.layers)]
+    seq = sh.s if math_sdpa(sh.arch, device, z.c) else 0  # SDPA's math backend keeps (T, T) probabilities
+    z.blocks = [layer_saves(sh.arch, t.checkpoint, i, sh.sb, z.r, z.c, z.ln, seq) for i in range(sh.layers)]
     layer_stats = isinstance(t.checkpoint, ckpt.Layers) and "layernorm" in t.checkpoint.types
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's normalised input and rsqrt.
     final = sh.sbh * z.r + sh.sb * 4 if sh.arch.kind == "llama" else 2 * sh.sb * 4

@@ -18,7 +18,9 @@ dtype (what Linear, SDPA and the activation produce); `ln` of what a norm keeps 
 input itself (r), or a 4-byte copy when CUDA autocast runs LayerNorm in fp32 on a 16-bit stream
 (RMSNorm always upcasts: 4).
 Attention is SDPA everywhere: no (T, T) score matrix is stored, and its output is laid out (B, T,
-heads, head_dim) already, so the output projection keeps that very tensor as its input.
+heads, head_dim) already, so the output projection keeps that very tensor as its input. The one
+exception is `math_sdpa`: where no fused CUDA kernel takes the call, SDPA's math backend keeps
+the (T, T) probabilities.
 """
 from __future__ import annotations
 
@@ -94,10 +96,25 @@ def _moe_sizes(hf) -> dict:
             "fp32_routing": kind == "mixtral"}
 
 
-def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int) -> tuple[float, float]:
+def math_sdpa(a: Arch, device: str, c: int) -> bool:
+    """Whether SDPA runs its math backend, on CUDA, for this layer: grouped-query heads (transformers
+    passes enable_gqa=True where there is no mask and head_dim <= 256) in fp32. Flash and cuDNN take
+    16-bit inputs only, and the memory-efficient kernel refuses grouped-query heads (torch's
+    sdp_utils.cpp). CPU's flash kernel takes both (torch 2.13). Measured on an H200: fp32 Mixtral
+    at 4 x 512 tokens was 5.9% over the fused-kernel prediction (benchmarks/results/NVIDIA-H200/moe.md)."""
+    return device == "cuda" and c == 4 and a.kind == "llama" and a.kv_heads < a.heads and a.head_dim <= 256
+
+
+def _full(a: Arch, sb: int, r: int, c: int, ln: int, seq: int) -> tuple[float, dict]:
+    """The layout's (bytes kept, parts); `seq`: the sequence length where SDPA runs its math backend, else 0."""
+    return _llama(a, sb, r, c, ln, seq) if a.kind == "llama" else _FULL[a.kind](a, sb, r, c, ln)
+
+
+def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, seq: int = 0) -> tuple[float, float]:
     """(bytes layer `index` keeps for backward beyond its input under checkpoint `option`, bytes it
-    keeps without recompute). Its input is the previous layer's output, counted there as r·sbh."""
-    full, parts = _FULL[a.kind](a, sb, r, c, ln)
+    keeps without recompute). Its input is the previous layer's output, counted there as r·sbh.
+    `seq`: the sequence length where SDPA runs its math backend (`math_sdpa`), else 0."""
+    full, parts = _full(a, sb, r, c, ln, seq)
     if isinstance(option, ckpt.Blocks):  # only the layer input is kept, by the wrapper
         return (0.0 if (index + 1) % option.every_n == 0 else full), full
     if isinstance(option, ckpt.Sublayer):  # the sub-layer's input (a norm output) is kept
@@ -120,7 +137,7 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int) -
 
 def mlp_saves(a: Arch, sb: int, r: int, c: int, ln: int) -> float:
     """Bytes a layer's MLP keeps for backward (freed as soon as the MLP's backward is done)."""
-    return _FULL[a.kind](a, sb, r, c, ln)[1]["mlp"]
+    return _full(a, sb, r, c, ln, 0)[1]["mlp"]
 
 
 def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
@@ -135,7 +152,7 @@ def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
                   "matmul": (3 + 1 + 4 + 1 + 1) * sbh * c + lse}
 
 
-def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
+def _llama(a: Arch, sb: int, r: int, c: int, ln: int, seq: int = 0) -> tuple[float, dict]:
     """RMSNorm (transformers' LlamaRMSNorm) upcasts its input to fp32 and keeps it, the rsqrt
     (s·b fp32) and the normalised input in the input dtype; its output goes on to the
     projections. Attention keeps q and k after rotary (new tensors: q·cos + rotate_half(q)·sin
@@ -145,11 +162,16 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     autocast, rotary's q·cos promotes q to the stream's fp32, and SDPA keeps its own casts of q and k.
     Per layer: ln_1's fp32 input (a copy when r != 4: the layer input then dies), normalised and
     output; attention; x + attn in fp32 (kept by ln_2: itself when r == 4, else a copy); ln_2's
-    normalised and output; the MLP (or a mixture of experts: `_experts`)."""
+    normalised and output; the MLP (or a mixture of experts: `_experts`).
+    SDPA's math backend (`seq` > 0, `math_sdpa`) keeps, in place of the log-sum-exp, the scaled q,
+    k and v widened to every query head, and the softmax's (B, heads, T, T) output; under ops
+    recompute, the scores' matmul output (as large) in place of the log-sum-exp."""
     sbh, q, kv = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.kv_heads * a.head_dim
     lse, rsqrt = sb * a.heads * 4, sb * 4
+    probs = sb * a.heads * seq * c  # (B, heads, T, T): s·b·heads·T
+    sdpa, sdpa_matmul = (3 * q * c + probs, probs) if seq else (lse, lse)
     norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
-    attn = (q + 2 * kv + q) * c + lse  # q, k after rotary; v; SDPA out; lse
+    attn = (q + 2 * kv + q) * c + sdpa  # q, k after rotary; v; SDPA out; lse (or the math backend's)
     # q_norm and k_norm (RMSNorm over each head, or OLMoE's over the whole projection): the
     # projection's output in fp32 (itself in fp32, else a copy), the rsqrt (one fp32 per token and
     # head, or per token) and the normalised values in the projection's dtype, which the weight
@@ -173,7 +195,7 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     # input it keeps is one that would have been kept or copied anyway.
     return full, {"attn": attn, "mlp": mlp_recomputed, "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA; the MLP's
-                  "matmul": (q + 2 * kv + q + sbh) * c + lse + mlp_matmul}
+                  "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul}
 
 
 def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
