@@ -62,7 +62,12 @@ def test_the_fused_loss_scales_its_gradients_by_the_incoming_one_and_makes_none_
     theirs = grads_of(lambda *a: standard(*a) * 0.25, h, weight, None, y)
     for a, b in zip(ours[1:3], theirs[1:3]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    monkeypatch.setattr(module, "_slice_backward", lambda *a: pytest.fail("a gradient made without grad mode"))
+    slice_loss = module._slice_loss
+
+    def without_grads(hs, w, b, ys, grads=None):
+        assert grads is None, "a gradient made without grad mode"
+        return slice_loss(hs, w, b, ys)
+    monkeypatch.setattr(module, "_slice_loss", without_grads)
     with torch.no_grad():
         loss = chunked(4, Fused)(h, weight.requires_grad_(), None, y)
     assert loss.item() == pytest.approx(standard(h, weight, None, y).item(), rel=1e-6)
@@ -104,7 +109,24 @@ def test_analytic_knows_the_chunked_losss_bytes(precision, accumulation, loss):
     overrides = [f"precision={precision}", f"accumulation={accumulation}", f"loss={loss}"]
     real, pred = measured(overrides, BIG_VOCAB), analytic(compose_spec([*BIG_VOCAB, *overrides]))
     assert pred.category_max_mib["grads"] * MIB == real.category_max["grads"] * MIB
-    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.05)
+    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.01)
+
+
+# Where the loss's slices are the step's peak: a 16,384-token vocabulary over 8 x 64 tokens in 2
+# slices makes each slice's fp32 logits 16 MiB, against about 5 MiB for the rest of gpt-nano's step.
+SLICE_PEAK = [*NANO, "model.vocab_size=16384", "data.vocab_size=16384", "seq_len=64", "loss.chunks=2"]
+
+
+@pytest.mark.parametrize("loss", ["chunked", "fused"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16_pure"])
+def test_one_slices_logits_at_a_time(precision, loss):
+    """A slice's logits are gone before the next slice's are made: the loop's variable kept the
+    previous slice's fp32 logits alive through the next one's matmul (one more slice of bytes,
+    2 x 8,192 x 16,384 B here; 786 MiB for gpt2 at micro-batch 64 x 1024 in 8 slices), which
+    the predictor, rightly, never counted."""
+    overrides = [f"precision={precision}", f"loss={loss}"]
+    real, pred = measured(overrides, SLICE_PEAK), analytic(compose_spec([*SLICE_PEAK, *overrides]))
+    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.01)
 
 
 def test_chunked_saves_most_of_the_logits_bytes():

@@ -309,6 +309,7 @@ def analytic(spec: RunSpec) -> Prediction:
     # inductor's pad_mm aligns a matmul's dims to 8 elements in 16-bit and 4 in fp32 (GPUs only): the
     # head's rows, which model.pad_vocab_to=64 aligns already
     z.pad_head = z.compiled and sh.padded_vocab % (8 if z.c == 2 else 4) != 0
+    z.op_temps = device == "cuda"
     tl = Step(sh, z).play(spec.batch_size * spec.seq_len)
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
                       category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",

@@ -33,6 +33,11 @@ class LossPlay:
         n = min(self.z.loss_chunks, self.sh.sb)
         return n, -(-self.sh.sb // n) * self.sh.vocab
 
+    def logsumexp_temp(self, q: float) -> float:
+        """A slice's logsumexp makes its fp32 logits less their row maxima (q elements) inside the
+        op, then sums their exp in place: bytes the allocator holds a moment, unseen by MemTracker."""
+        return q * 4 if self.z.op_temps else 0.0
+
     def padding(self) -> float:
         """Logits (elements) a padded head (GPT-2's pad_vocab_to) makes beyond the standard loss's
         tokens x V, in rows the loss slices off. The chunked loss multiplies by the tokens' rows only."""
@@ -41,8 +46,8 @@ class LossPlay:
     def loss_forward(self) -> None:
         """Logits in the compute dtype (as wide as the head: padding included) and their fp32
         copy, then what the loss makes of them. The standard loss keeps its log-softmax (fp32) for
-        backward (on the host under offload); a chunked slice takes logsumexp (one more fp32
-        slice-sized temporary) and keeps nothing."""
+        backward (on the host under offload); a chunked slice takes logsumexp (on CUDA one more
+        fp32 slice-sized temporary, made inside the op) and keeps nothing."""
         tl, c = self.tl, self.c
         n, q = self.slices()
         made = q * c + (q * 4 if c != 4 else 0)
@@ -58,7 +63,7 @@ class LossPlay:
         for _ in range(n):  # the compute-dtype logits go once copied to fp32, before logsumexp's temporary
             tl.alloc("activations", made)
             tl.free("activations", made - q * 4)
-            tl.transient("activations", q * 4)
+            tl.transient("activations", self.logsumexp_temp(q))
             tl.free("activations", q * 4)
 
     def loss_backward(self) -> None:
@@ -125,7 +130,7 @@ class LossPlay:
             made = q * c + (q * 4 if c != 4 else 0)
             tl.alloc("other", made)
             tl.free("other", made - q * 4)  # the fp32 logits stay, to become their gradient
-            tl.transient("other", q * 4)  # logsumexp's temporary
+            tl.transient("other", self.logsumexp_temp(q))
             if c != 4:  # ... cast to the compute dtype for the matmuls
                 tl.alloc("other", q * c)
                 tl.free("other", q * 4)

@@ -87,6 +87,9 @@ class Sizes:
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
     compiled: bool = False  # compile=true: inductor's fused cross-entropy (Step.compiled_loss_backward)
     pad_head: bool = False  # ... and, on CUDA, a vocabulary inductor pads for the head's matmuls
+    op_temps: bool = True  # temporaries made inside one aten op (logsumexp's shifted logits) count: the
+    #                        CUDA allocator holds them; MemTracker, the dispatch mode a CPU row's peak
+    #                        comes from, sees each op's outputs only
     micro_steps: int = 1
     in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
     grads_in_buckets: bool = False  # DDP gradient_as_bucket_view: each gradient is copied into its bucket (`other`)
