@@ -3,7 +3,7 @@
     python benchmarks/hf_families.py [--only llama,gpt_oss ...] [--results DIR]
 
 For each model_type that AutoModelForCausalLM knows, a 2-layer model of hidden size 64 and a
-128-token vocabulary (each size key the family's config has, set small: SMALL) is built as
+128-token vocabulary (each size key the family's config has, set small: ablate/models/hf_toy.py) is built as
 `model=hf +model.config.model_type=<type>` builds it, then trained 3 steps plain, with block and
 selective-op recompute and with the chunked loss, and its memory predicted the way a run predicts
 it (analytic, else the trace) and measured with MemTracker on the real step. Writes
@@ -38,22 +38,13 @@ from omegaconf import OmegaConf  # noqa: E402
 from ablate.build import build_model, build_optimizer, check_config  # noqa: E402
 from ablate.data import Synthetic  # noqa: E402
 from ablate.measure import traced_step  # noqa: E402
+from ablate.models.hf_toy import toy_keys  # noqa: E402
 from ablate.outcome import predicted  # noqa: E402
 from ablate.schema import register  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
 from ablate.techniques import Invalid  # noqa: E402
 from ablate.train import train_step  # noqa: E402
 
-# A family's size keys, small: whichever of these its config has (names differ between families).
-SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "num_hidden_layers": 2, "vocab_size": 128, "head_dim": 16, "pad_token_id": None,
-         "n_embd": 64, "n_head": 4, "n_layer": 2, "n_inner": 128, "d_model": 64, "ffn_dim": 128,
-         # mixtures of experts
-         "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_shared_experts": 1,
-         "n_group": 1, "topk_group": 1,
-         # multi-head latent attention (DeepSeek V2/V3)
-         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
 BASE = ["device=cpu", "batch_size=4", "seq_len=16", "data.vocab_size=128", "data.train_samples=32",
         "optimizer=adamw", "warmup_steps=2"]
 VARIANTS = {"block": ["checkpoint=block"], "ops": ["checkpoint=ops"], "chunked": ["loss=chunked", "loss.chunks=3"]}
@@ -73,15 +64,7 @@ def tiny(model_type: str) -> list[str]:
     """The command-line keys that make `model_type` a 2-layer, hidden-64 model (model=hf)."""
     from transformers import AutoConfig
 
-    defaults = AutoConfig.for_model(model_type).to_dict()
-    keys = {k: v for k, v in SMALL.items() if k in defaults}
-    if "qk_rope_head_dim" in defaults:  # multi-head latent attention: head_dim is the rotary part's
-        keys["head_dim"] = SMALL["qk_rope_head_dim"]
-    if "rotary_dim" in defaults:  # GPT-J, CodeGen: rotary over part of each head (16 wide here)
-        keys["rotary_dim"] = 8
-    kinds = defaults.get("layer_types")
-    if isinstance(kinds, list) and kinds:  # per-layer kinds: as many as the layers
-        keys["layer_types"] = kinds[:2]
+    keys = toy_keys(AutoConfig.for_model(model_type).to_dict())
     return ["model=hf", f"+model.config.model_type={model_type}",
             *(f"+model.config.{k}={value(v)}" for k, v in keys.items())]
 

@@ -25,6 +25,7 @@ from torch import nn
 from ablate.model import DeferredNormals
 from ablate.models import MAX_LAYERS, Adapter, Family, lm_loss
 from ablate.models.hf_adapter import _transformers, find_adapter
+from ablate.models.hf_toy import head_is_not_plain
 from ablate.techniques import Invalid, Plan
 
 # config.json keys that are not the model's shape: transformers' own bookkeeping, and the dtype
@@ -32,9 +33,10 @@ from ablate.techniques import Invalid, Plan
 _IGNORED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "auto_map")
 # Families whose logits are exactly lm_head(base model's last hidden states), which a loss that
 # takes the hidden states and the head (loss=chunked, fused) relies on; tests/test_families.py
-# checks each against transformers' own forward. Others scale or cap their logits after the head
-# in their own code (Cohere's logit_scale, Gemma 2's softcapping always on), so the chunked loss
-# would be another loss for them.
+# checks each against transformers' own forward. Any other family is checked when it asks for such
+# a loss, on a toy copy of its config (hf_toy.head_is_not_plain): some scale or cap their logits
+# after the head in their own code (Cohere's logit_scale, Gemma 2's softcapping always on), where
+# the chunked loss would be another loss.
 PLAIN_HEAD = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3", "smollm3", "gemma", "gemma3_text", "phi",
               "phi3", "olmo", "olmo2", "stablelm", "falcon", "starcoder2", "granite", "mixtral", "qwen2_moe",
               "qwen3_moe", "olmoe")
@@ -177,10 +179,10 @@ class HFCausalLM(Family):
         if heads and hidden and not getattr(c, "head_dim", None) and hidden % heads:
             raise Invalid(f"model.config.hidden_size={hidden} is not divisible by "
                           f"model.config.num_attention_heads={heads}")
-        if plan.chunked_loss and c.model_type not in PLAIN_HEAD:
+        why = plan.chunked_loss and c.model_type not in PLAIN_HEAD and head_is_not_plain(c)
+        if why:
             raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
-                          f"model_type={c.model_type!r} "
-                          f"is not one checked to be ({', '.join(PLAIN_HEAD)}): use loss=standard")
+                          f"model_type={c.model_type!r}: {why}: use loss=standard")
         for key, neutral in LOGIT_KEYS.items():
             if plan.chunked_loss and getattr(c, key, neutral) not in (neutral, None):
                 raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "

@@ -1,0 +1,90 @@
+"""A toy copy of a transformers config (2 layers, hidden size 64, a 128-token vocabulary), and what
+it is for here: checking on the CPU, in a fraction of a second, something a family's own code
+decides whatever its sizes, such as whether its logits are its head's output alone.
+
+The toy keeps every key of the config but its sizes: Cohere's logit_scale, Gemma 2's softcapping
+and any rescaling a family writes into its forward come along, at the same code paths.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+# A family's size keys, small: whichever of these its config has (names differ between families).
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "vocab_size": 128, "head_dim": 16, "pad_token_id": None,
+         "n_embd": 64, "n_head": 4, "n_layer": 2, "n_inner": 128, "d_model": 64, "ffn_dim": 128,
+         # mixtures of experts
+         "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_shared_experts": 1,
+         "n_group": 1, "topk_group": 1,
+         # multi-head latent attention (DeepSeek V2/V3)
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+
+
+def toy_keys(keys: dict) -> dict:
+    """The keys that make a config with these `keys` (its to_dict()) a toy one: each size key it
+    has, small, and what follows from them."""
+    toy = {k: v for k, v in SMALL.items() if k in keys}
+    for k in ("num_hidden_layers", "n_layer"):  # fewer layers already: kept, with their kinds
+        if isinstance(keys.get(k), int):
+            toy[k] = min(keys[k], SMALL[k])
+    if "qk_rope_head_dim" in keys:  # multi-head latent attention: head_dim is the rotary part's
+        toy["head_dim"] = SMALL["qk_rope_head_dim"]
+    if "rotary_dim" in keys:  # GPT-J, CodeGen: rotary over part of each head (16 wide here)
+        toy["rotary_dim"] = 8
+    kinds = keys.get("layer_types")
+    if isinstance(kinds, list) and kinds:  # per-layer kinds: as many as the layers
+        toy["layer_types"] = kinds[:toy.get("num_hidden_layers", 2)]
+    return toy
+
+
+# How large the probe makes its logits (their standard deviation): where a family caps them
+# (Gemma 2: tanh(x / 30) x 30) the cap then bends them far beyond rounding, as a scale would.
+_LOGIT_STD = 100.0
+
+
+def head_is_not_plain(config) -> str | None:
+    """None where `config`'s family makes its logits as lm_head(base model's last hidden states),
+    which loss=chunked and loss=fused compute for themselves (ablate/models/hf.py CausalLM); else
+    why not, in a few words. Checked on a toy copy of the config, in fp32 on the CPU, with the
+    global random state left as it was."""
+    return _probe(config.to_json_string())
+
+
+@functools.lru_cache(maxsize=32)
+def _probe(config_json: str) -> str | None:
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from transformers.utils import logging as hf_logging
+
+    keys = json.loads(config_json)
+    keys.update(toy_keys(keys))
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the toy's token ids beyond its vocabulary, kernels not installed: not the user's
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            toy = AutoConfig.for_model(**{k: v for k, v in keys.items() if k != "transformers_version"})
+            lm = AutoModelForCausalLM.from_config(copy.deepcopy(toy), attn_implementation="eager",
+                                                  dtype=torch.float32).eval()
+            head = lm.get_output_embeddings()
+            with torch.no_grad():
+                head.weight.normal_(0.0, _LOGIT_STD / head.in_features ** 0.5)  # normed hidden states: logits ~ N(0, 100²)
+                idx = torch.randint(0, toy.vocab_size, (2, 8))
+                logits = lm(input_ids=idx, use_cache=False).logits.float()
+                ours = head(lm.base_model(input_ids=idx, use_cache=False).last_hidden_state).float()
+    except Exception as e:  # noqa: BLE001 (a family's code can raise anything on a toy config)
+        return f"its toy copy could not be checked ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if ours.shape != logits.shape:
+        return f"its logits ({tuple(logits.shape)}) are not its head's output ({tuple(ours.shape)})"
+    if not torch.allclose(ours, logits, rtol=1e-4, atol=1e-3):
+        ratio = (logits.std() / ours.std()).item()
+        return f"its forward changes the head's output (a toy copy's logits have {ratio:.3g} times its spread)"
+    return None
