@@ -179,7 +179,7 @@ class HFCausalLM(Family):
         if heads and hidden and not getattr(c, "head_dim", None) and hidden % heads:
             raise Invalid(f"model.config.hidden_size={hidden} is not divisible by "
                           f"model.config.num_attention_heads={heads}")
-        why = plan.chunked_loss and c.model_type not in PLAIN_HEAD and head_is_not_plain(c)
+        why = plan.chunked_loss and c.model_type not in PLAIN_HEAD and head_is_not_plain(c, self.attn_implementation)
         if why:
             raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
                           f"model_type={c.model_type!r}: {why}: use loss=standard")

@@ -46,16 +46,16 @@ def toy_keys(keys: dict) -> dict:
 _LOGIT_STD = 100.0
 
 
-def head_is_not_plain(config) -> str | None:
+def head_is_not_plain(config, attn_implementation: str = "sdpa") -> str | None:
     """None where `config`'s family makes its logits as lm_head(base model's last hidden states),
     which loss=chunked and loss=fused compute for themselves (ablate/models/hf.py CausalLM); else
     why not, in a few words. Checked on a toy copy of the config, in fp32 on the CPU, with the
-    global random state left as it was."""
-    return _probe(config.to_json_string())
+    global random state left as it was; its attention the run's (`model.attn_implementation`)."""
+    return _probe(config.to_json_string(), attn_implementation)
 
 
 @functools.lru_cache(maxsize=32)
-def _probe(config_json: str) -> str | None:
+def _probe(config_json: str, attn_implementation: str) -> str | None:
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -70,7 +70,7 @@ def _probe(config_json: str) -> str | None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             toy = AutoConfig.for_model(**{k: v for k, v in keys.items() if k != "transformers_version"})
-            lm = AutoModelForCausalLM.from_config(copy.deepcopy(toy), attn_implementation="eager",
+            lm = AutoModelForCausalLM.from_config(copy.deepcopy(toy), attn_implementation=attn_implementation,
                                                   dtype=torch.float32).eval()
             head = lm.get_output_embeddings()
             with torch.no_grad():
