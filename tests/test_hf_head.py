@@ -6,22 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ablate.models.hf_toy import head_is_not_plain, toy_keys
+from ablate.models.hf_toy import head_is_not_plain
 from ablate.techniques import Invalid
-from tests.helpers import train_nano
+from tests.helpers import hf_toy as toy, train_nano
 
 pytest.importorskip("transformers")
-
-
-def toy(model_type: str, **extra) -> list[str]:
-    """model=hf overrides for a toy `model_type` (2 layers, hidden 64, 128 tokens)."""
-    from transformers import AutoConfig
-
-    keys = {**toy_keys(AutoConfig.for_model(model_type).to_dict()), **extra}
-    value = {None: "null"}
-    return ["model=hf", f"+model.config.model_type={model_type}", "data.vocab_size=128",
-            *(f"+model.config.{k}={value.get(v, v) if not isinstance(v, list) else '[' + ','.join(map(str, v)) + ']'}"
-              for k, v in keys.items())]
 
 
 # Not on hf.PLAIN_HEAD, with plain heads: Arcee (a Llama with a ReLU² MLP) and ERNIE 4.5.
@@ -35,15 +24,15 @@ def test_an_unlisted_family_with_a_plain_head_takes_the_chunked_and_fused_losses
         assert train_nano([*toy(model_type), f"loss={loss}", "loss.chunks=3"])[0] == pytest.approx(plain, rel=1e-5), loss
 
 
-@pytest.mark.parametrize("model_type, why", [
-    ("cohere", r"its forward changes the head's output \(a toy copy's logits have 0.0625 times its spread\)"),  # logit_scale
-    ("gemma2", r"its forward changes the head's output \(a toy copy's logits have 0.2\d* times its spread\)"),  # tanh(x/30)·30
+@pytest.mark.parametrize("model_type, attn, why", [
+    ("cohere", "sdpa", r"its forward changes the head's output \(a toy copy's logits have 0.0625 times its spread\)"),  # logit_scale
+    ("gemma2", "eager", r"its forward changes the head's output \(a toy copy's logits have 0.2\d* times its spread\)"),  # tanh(x/30)·30
 ])
 @pytest.mark.parametrize("loss", ["chunked", "fused"])
-def test_a_family_that_changes_its_logits_after_the_head_is_refused_saying_why(model_type, why, loss):
+def test_a_family_that_changes_its_logits_after_the_head_is_refused_saying_why(model_type, attn, why, loss):
     with pytest.raises(Invalid, match=rf"loss=chunked and loss=fused need logits that are the head's output alone; "
                                       rf"model_type='{model_type}': {why}: use loss=standard"):
-        train_nano([*toy(model_type), f"loss={loss}"], steps=1)
+        train_nano([*toy(model_type), f"loss={loss}", f"model.attn_implementation={attn}"], steps=1)
 
 
 def test_the_check_sees_a_scale_set_in_the_users_config_and_leaves_the_random_state():

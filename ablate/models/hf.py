@@ -179,6 +179,10 @@ class HFCausalLM(Family):
         if heads and hidden and not getattr(c, "head_dim", None) and hidden % heads:
             raise Invalid(f"model.config.hidden_size={hidden} is not divisible by "
                           f"model.config.num_attention_heads={heads}")
+        family = _causal_lm_class(c)
+        if self.attn_implementation == "sdpa" and getattr(family, "_supports_sdpa", True) is False:
+            raise Invalid(f"model.attn_implementation=sdpa: transformers' {family.__name__} has no sdpa attention; "
+                          f"use model.attn_implementation=eager")
         why = plan.chunked_loss and c.model_type not in PLAIN_HEAD and head_is_not_plain(c, self.attn_implementation)
         if why:
             raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
@@ -187,10 +191,6 @@ class HFCausalLM(Family):
             if plan.chunked_loss and getattr(c, key, neutral) not in (neutral, None):
                 raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
                               f"model.config.{key}={getattr(c, key)} changes them after it: use loss=standard")
-        family = _causal_lm_class(c)
-        if self.attn_implementation == "sdpa" and getattr(family, "_supports_sdpa", True) is False:
-            raise Invalid(f"model.attn_implementation=sdpa: transformers' {family.__name__} has no sdpa attention; "
-                          f"use model.attn_implementation=eager")
         pad = getattr(c, "pad_token_id", None)
         if isinstance(pad, int) and not 0 <= pad < c.vocab_size:  # the embedding's zeroed row: an assert inside torch
             raise Invalid(f"model.config.pad_token_id={pad} is not a row of the {c.vocab_size}-token embedding "

@@ -31,8 +31,10 @@ def toy_keys(keys: dict) -> dict:
     for k in ("num_hidden_layers", "n_layer"):  # fewer layers already: kept, with their kinds
         if isinstance(keys.get(k), int):
             toy[k] = min(keys[k], SMALL[k])
-    if "qk_rope_head_dim" in keys:  # multi-head latent attention: head_dim is the rotary part's
-        toy["head_dim"] = SMALL["qk_rope_head_dim"]
+    if "qk_rope_head_dim" in keys:  # multi-head latent attention: head_dim is the rotary part's, and
+        toy["head_dim"] = SMALL["qk_rope_head_dim"]  # every head has its own keys and values (made
+        if "num_key_value_heads" in keys:  # from the shared latent): DeepSeek V3's 128 and 128
+            toy["num_key_value_heads"] = SMALL["num_attention_heads"]
     if "rotary_dim" in keys:  # GPT-J, CodeGen: rotary over part of each head (16 wide here)
         toy["rotary_dim"] = 8
     kinds = keys.get("layer_types")

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ablate import measure
 from ablate.build import Techniques, build_model, build_optimizer, check_config
+from ablate.models.hf import HFCausalLM
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
 from ablate.techniques import lowbit
@@ -51,7 +52,7 @@ def trace(spec: RunSpec) -> Prediction:
     # log(expm1(0.8))) computes it on meta, as the model is built there, and the fake mode takes it
     # as a constant; refused, such a family had no trace at all.
     with _fake_world(t.parallel, t.offload), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
-            _real_optimizer_defaults(), _value_reads(t), _moe_grouped_mm():
+            _real_optimizer_defaults(), _value_reads(t), _moe_grouped_mm(), _one_sequence_per_row(t):
         with _swappable_params(mode):
             # compile=true is traced eager: compiled kernels cannot run on fake tensors. Inductor's
             # fusions usually keep fewer activations, so this tends to over-predict such runs.
@@ -231,6 +232,30 @@ def _moe_grouped_mm() -> Iterator[None]:
         yield
     finally:
         moe._can_use_grouped_mm = usable
+
+
+@contextlib.contextmanager
+def _one_sequence_per_row(t: Techniques) -> Iterator[None]:
+    """Let a transformers model's attention mask be what it is in the real step: none.
+
+    transformers asks whether a row's position ids pack several sequences
+    (masking_utils.find_packed_sequence_indices), which only their values can say; of a fake tensor
+    it assumes they might, and makes a (B, 1, T, T) mask, whereupon its SDPA call repeats grouped
+    keys and values for every query head (repeat_kv) where the real step passes none and lets SDPA
+    take the groups (enable_gqa, is_causal): tensors the real step never makes. ablate passes no
+    position ids (models/hf.py); the model makes its own, an arange per row: never packed.
+    """
+    if not isinstance(t.model, HFCausalLM):
+        yield
+        return
+    from transformers import masking_utils
+
+    find = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None  # looked up at call time
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
 
 
 def _value_reads(t: Techniques) -> contextlib.AbstractContextManager:
