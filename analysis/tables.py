@@ -260,7 +260,9 @@ def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     """For each varied column with a do-nothing value (do_nothing: a group's reference
     option, an option key's default, a run key off) and each other value it takes: the median
     change in memory, time and loss against the do-nothing value, over pairs of ok runs that are
-    equal in every other varied column. "Against" names the do-nothing value ("fsdp" vs "ddp")."""
+    equal in every other varied column. "Against" names the do-nothing value ("fsdp" vs "ddp").
+    A value never paired and never failing says nothing and gets no row (model.config.hidden_size
+    across two models: each value comes with its own model, never beside the other's)."""
     ok = df[df["status"] == "ok"]
     # each run's figures as a dict, made once: a pandas row per pair took seconds over 1,000 runs
     runs_of = dict(zip(df.index, df[[c for c in PAIRED if c in df]].to_dict("records")))
@@ -277,6 +279,8 @@ def marginal(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
             pairs = [[*(_pct(runs_of[i][m], runs_of[refs[k]][m]) for m in (MEMORY, "iter_time_ms", "loss_final")),
                       within_noise(runs_of[i], runs_of[refs[k]])]
                      for k, i in zip(same(runs), runs.index) if k in refs]
+            if not pairs and len(runs) == chosen.sum():
+                continue
             med = pd.DataFrame([p[:3] for p in pairs]).median() if pairs else pd.Series([float("nan")] * 3)
             noise = sum(p[3] for p in pairs) > len(pairs) / 2  # most pairs differ by less than their own spread
             rows.append({"Group": col, "Option": option, "Against": against, "Δ memory (median)": _signed(med.iloc[0]),

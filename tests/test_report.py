@@ -175,6 +175,20 @@ def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_referenc
     assert m.loc[("checkpoint", "block")][["Against", "Pairs"]].tolist() == ["none", "2"]
 
 
+def test_a_value_never_paired_and_never_failing_gets_no_marginal_row(tmp_path):
+    """`optimizer.lr=1e-3,3e-4` never runs the default 6e-4: a row "1e-3 against 6e-4, 0 pairs"
+    says nothing (the H200's MoE report had them for model.config keys set away from their file's
+    values). An unpaired value that failed keeps its row: its "Not ok" is the finding."""
+    for lr in (1e-3, 3e-4):
+        for ckpt in ("none", "block"):
+            _write(tmp_path, f"{lr}-{ckpt}", peak=100 / (2 if ckpt == "block" else 1), latency=10.0,
+                   checkpoint=ckpt, optimizer="adamw", config={"optimizer": {"lr": lr}})
+    _write(tmp_path, "bad-none", status="oom", checkpoint="none", optimizer="adamw", config={"optimizer": {"lr": 0.1}})
+    m = tables.marginal(load([tmp_path]), ["checkpoint", "optimizer.lr"])
+    rows = set(zip(m["Group"], m["Option"], m["Pairs"], m["Not ok"]))
+    assert rows == {("checkpoint", "block", "2", "0"), ("optimizer.lr", "0.1", "0", "1")}, m.to_dict("records")
+
+
 def test_baseline_option_narrows_the_runs_and_the_usual_rule_picks_among_them(tmp_path, capsys):
     """`--baseline parallel=fsdp` over the mission's 2 x 2 grid is FSDP without recompute whatever
     order the rows load in, and a key or value no run has is a message naming what there is."""
