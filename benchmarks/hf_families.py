@@ -38,7 +38,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from ablate.build import build_model, build_optimizer, check_config  # noqa: E402
 from ablate.data import Synthetic  # noqa: E402
 from ablate.measure import traced_step  # noqa: E402
-from ablate.models.hf_toy import toy_keys  # noqa: E402
+from ablate.models.hf_toy import toy_overrides  # noqa: E402
 from ablate.outcome import predicted  # noqa: E402
 from ablate.schema import register  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
@@ -51,22 +51,9 @@ VARIANTS = {"block": ["checkpoint=block"], "ops": ["checkpoint=ops"], "chunked":
 TIMEOUT_S = 300  # one family, all of its runs
 
 
-def value(v) -> str:
-    """A Hydra override's value: None -> null, a list -> [a,b]."""
-    if v is None:
-        return "null"
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(value(x) for x in v) + "]"
-    return str(v)
-
-
 def tiny(model_type: str) -> list[str]:
     """The command-line keys that make `model_type` a 2-layer, hidden-64 model (model=hf)."""
-    from transformers import AutoConfig
-
-    keys = toy_keys(AutoConfig.for_model(model_type).to_dict())
-    return ["model=hf", f"+model.config.model_type={model_type}",
-            *(f"+model.config.{k}={value(v)}" for k, v in keys.items())]
+    return toy_overrides(model_type)
 
 
 def spec_of(overrides: list[str]) -> RunSpec:

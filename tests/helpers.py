@@ -98,12 +98,6 @@ def train_nano(overrides: list[str] = (), steps: int = 3, batch_size: int = 8, s
 def hf_toy(model_type: str) -> list[str]:
     """model=hf overrides for a toy `model_type` of transformers (2 layers, hidden 64, 128 tokens:
     ablate/models/hf_toy.py), with data of its vocabulary."""
-    from transformers import AutoConfig
+    from ablate.models.hf_toy import toy_overrides
 
-    from ablate.models.hf_toy import toy_keys
-
-    def value(v):
-        return "null" if v is None else "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else v
-    keys = toy_keys(AutoConfig.for_model(model_type).to_dict())
-    return ["model=hf", f"+model.config.model_type={model_type}", "data.vocab_size=128",
-            *(f"+model.config.{k}={value(v)}" for k, v in keys.items())]
+    return [*toy_overrides(model_type), "data.vocab_size=128"]

@@ -51,6 +51,17 @@ UNIFORM_LAYERS = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2", "qwen3", "mix
                   "qwen3_moe")
 
 
+def _per_layer(c, key: str) -> list | None:
+    """`key`'s value for each layer: from transformers' per-layer configs where it differs between
+    layers (Gemma 4's head_dim: 256 in sliding-window layers, 512 in full-attention ones, which
+    the global config refuses to answer for), else the config's one value for every layer; None
+    where the config has no such key."""
+    if key in (getattr(c, "per_layer_attributes", None) or ()):
+        return [getattr(layer, key) for layer in c.per_layer_config]
+    value = getattr(c, key, None)
+    return None if value is None else [value] * c.num_hidden_layers
+
+
 def _causal_lm_class(config):
     """The transformers class AutoModelForCausalLM builds for `config`; None for a family with none."""
     return _transformers().AutoModelForCausalLM._model_mapping.get(type(config), None)
@@ -176,7 +187,7 @@ class HFCausalLM(Family):
         if plan.seq_len > self.max_seq_len:
             raise Invalid(f"seq_len={plan.seq_len} > model.config.max_position_embeddings={self.max_seq_len}")
         heads, hidden = getattr(c, "num_attention_heads", None), getattr(c, "hidden_size", None)
-        if heads and hidden and not getattr(c, "head_dim", None) and hidden % heads:
+        if heads and hidden and not _per_layer(c, "head_dim") and hidden % heads:
             raise Invalid(f"model.config.hidden_size={hidden} is not divisible by "
                           f"model.config.num_attention_heads={heads}")
         family = _causal_lm_class(c)
@@ -242,13 +253,14 @@ class HFCausalLM(Family):
     def n_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
-    def dims(self) -> tuple[int, int]:
+    def dims(self) -> tuple[int, float]:
         """(layers, attention width): query heads x head_dim where the config sets a head_dim of
-        its own (Qwen3 0.6B: 16 x 128 = 2048 on a hidden size of 1024), else the hidden size."""
+        its own (Qwen3 0.6B: 16 x 128 = 2048 on a hidden size of 1024), else the hidden size. Where
+        head_dim differs between layers, their mean: attention's FLOPs add up linearly in it."""
         layers, hidden = super().dims()
         c = self.hf_config
-        heads, head_dim = getattr(c, "num_attention_heads", None), getattr(c, "head_dim", None)
-        return layers, heads * head_dim if heads and head_dim else hidden
+        heads, head_dims = getattr(c, "num_attention_heads", None), _per_layer(c, "head_dim")
+        return layers, heads * sum(head_dims) / len(head_dims) if heads and head_dims else hidden
 
     def with_layers(self, n: int) -> CausalLM | None:
         """The config with n layers: its per-layer attention kinds (Qwen2's `layer_types`) cut to

@@ -21,7 +21,10 @@ SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, 
          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "n_shared_experts": 1,
          "n_group": 1, "topk_group": 1,
          # multi-head latent attention (DeepSeek V2/V3)
-         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+         # Gemma 3n / 4's per-layer token embeddings (262,144 x 256 of their own)
+         "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16, "global_head_dim": 32,
+         "num_kv_shared_layers": 0}  # Gemma 3n's last 15 of 35 layers reuse others' keys and values: none here
 
 
 def toy_keys(keys: dict) -> dict:
@@ -37,10 +40,48 @@ def toy_keys(keys: dict) -> dict:
             toy["num_key_value_heads"] = SMALL["num_attention_heads"]
     if "rotary_dim" in keys:  # GPT-J, CodeGen: rotary over part of each head (16 wide here)
         toy["rotary_dim"] = 8
-    kinds = keys.get("layer_types")
-    if isinstance(kinds, list) and kinds:  # per-layer kinds: as many as the layers
-        toy["layer_types"] = kinds[:toy.get("num_hidden_layers", 2)]
+    n, layers = toy.get("num_hidden_layers", 2), keys.get("num_hidden_layers")
+    for k, v in keys.items():  # per-layer lists (Gemma 3n's activation sparsity): as many as the layers
+        if isinstance(v, list) and len(v) == layers and layers > n:
+            toy[k] = v[:n]
+    kinds, picked = keys.get("layer_types"), list(range(n))  # the real layers the toy's stand for
+    if isinstance(kinds, list) and kinds:  # each kind of layer once, first come first (Gemma 4: a
+        toy["layer_types"] = (list(dict.fromkeys(kinds)) + kinds)[:n]  # sliding-window one, a full one)
+        picked = [kinds.index(kind) for kind in toy["layer_types"]]
+    overrides = keys.get("per_layer_config")  # transformers' per-layer keys, by layer: {"05": {"head_dim": 512}}
+    if isinstance(overrides, dict) and overrides:
+        by_layer = {int(i): o for i, o in overrides.items()}
+        toy["per_layer_config"] = {i: {k: _scaled(k, v, keys, toy) for k, v in by_layer[real].items()}
+                                   for i, real in enumerate(picked) if real in by_layer}
     return toy
+
+
+def _scaled(key: str, value, keys: dict, toy: dict):
+    """A layer's own size as the toy's size in the same ratio to the toy's global one (Gemma 4's
+    full-attention head_dim of 512 against 256: 32 against 16); any other value as it is."""
+    if isinstance(value, int) and isinstance(keys.get(key), int) and keys[key] and key in toy:
+        return max(1, round(toy[key] * value / keys[key]))
+    return value
+
+
+def toy_overrides(model_type: str) -> list[str]:
+    """The command line that makes `model_type` a toy model: `model=hf` and its keys."""
+    from transformers import AutoConfig
+
+    keys = toy_keys(AutoConfig.for_model(model_type).to_dict())
+    return ["model=hf", f"+model.config.model_type={model_type}",
+            *(f"+model.config.{k}={_hydra(v)}" for k, v in keys.items())]
+
+
+def _hydra(value) -> str:
+    """A value as Hydra's override grammar writes it: None -> null, [a,b], {1:{head_dim:32}}."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 # How large the probe makes its logits (their standard deviation): where a family caps them
