@@ -117,10 +117,14 @@ def _probe(config_json: str, attn_implementation: str) -> str | None:
                                                   dtype=torch.float32).eval()
             head = lm.get_output_embeddings()
             with torch.no_grad():
+                for p in lm.parameters():  # each weight 1 to 1.5 times itself: a learned scale that starts
+                    p.mul_(1 + torch.rand_like(p) / 2)  # at 1 (Dory's logit_scale) is seen from step 0
                 head.weight.normal_(0.0, _LOGIT_STD / head.in_features ** 0.5)  # normed hidden states: logits ~ N(0, 100²)
                 idx = torch.randint(0, toy.vocab_size, (2, 8))
                 logits = lm(input_ids=idx, use_cache=False).logits.float()
-                ours = head(lm.base_model(input_ids=idx, use_cache=False).last_hidden_state).float()
+                hidden = lm.base_model(input_ids=idx, use_cache=False).last_hidden_state
+                # what the chunked loss computes: the head's weight and bias, not its module's forward
+                ours = torch.nn.functional.linear(hidden, head.weight, head.bias).float()
     except Exception as e:  # noqa: BLE001 (a family's code can raise anything on a toy config)
         return f"its toy copy could not be checked ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     finally:
