@@ -29,6 +29,7 @@ def test_an_unlisted_family_with_a_plain_head_takes_the_chunked_and_fused_losses
     # Dory's head multiplies by a learned per-token scale that starts at 1: its module's forward is
     # not its weight's matmul, which is what the chunked loss takes
     ("dory", "sdpa", r"its forward changes the head's output \(a toy copy's logits have 1\.\d+ times its spread\)"),
+    ("llama4_text", "sdpa", r"its base model \(Llama4ForCausalLM\) gives no last_hidden_state for the head"),
     ("gemma2", "eager", r"its forward changes the head's output \(a toy copy's logits have 0.2\d* times its spread\)"),  # tanh(x/30)·30
 ])
 @pytest.mark.parametrize("loss", ["chunked", "fused"])

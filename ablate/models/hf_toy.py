@@ -122,7 +122,9 @@ def _probe(config_json: str, attn_implementation: str) -> str | None:
                 head.weight.normal_(0.0, _LOGIT_STD / head.in_features ** 0.5)  # normed hidden states: logits ~ N(0, 100²)
                 idx = torch.randint(0, toy.vocab_size, (2, 8))
                 logits = lm(input_ids=idx, use_cache=False).logits.float()
-                hidden = lm.base_model(input_ids=idx, use_cache=False).last_hidden_state
+                hidden = getattr(lm.base_model(input_ids=idx, use_cache=False), "last_hidden_state", None)
+                if hidden is None:  # Llama 4's text model is its own base_model: logits, no hidden states
+                    return f"its base model ({type(lm.base_model).__name__}) gives no last_hidden_state for the head"
                 # what the chunked loss computes: the head's weight and bias, not its module's forward
                 ours = torch.nn.functional.linear(hidden, head.weight, head.bias).float()
     except Exception as e:  # noqa: BLE001 (a family's code can raise anything on a toy config)
