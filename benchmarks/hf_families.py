@@ -51,11 +51,6 @@ VARIANTS = {"block": ["checkpoint=block"], "ops": ["checkpoint=ops"], "chunked":
 TIMEOUT_S = 300  # one family, all of its runs
 
 
-def tiny(model_type: str) -> list[str]:
-    """The command-line keys that make `model_type` a 2-layer, hidden-64 model (model=hf)."""
-    return toy_overrides(model_type)
-
-
 def spec_of(overrides: list[str]) -> RunSpec:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
@@ -104,7 +99,7 @@ def survey(model_type: str) -> dict:
     """One family's row: what worked, and the first reason for what did not."""
     row = {"family": model_type}
     try:
-        keys = tiny(model_type)
+        keys = toy_overrides(model_type)
     except Exception as exc:  # noqa: BLE001  (a config transformers cannot make with its defaults)
         return {**row, "builds": "config", "why": f"transformers' defaults: {first_line(exc)}"}
     try:

@@ -7,8 +7,8 @@ and any rescaling a family writes into its forward come along, at the same code 
 """
 from __future__ import annotations
 
-import copy
 import functools
+import json
 
 import torch
 
@@ -99,10 +99,7 @@ def head_is_not_plain(config, attn_implementation: str = "sdpa") -> str | None:
 
 @functools.lru_cache(maxsize=32)
 def _probe(config_json: str, attn_implementation: str) -> str | None:
-    import json
-
     from transformers import AutoConfig, AutoModelForCausalLM
-
     from transformers.utils import logging as hf_logging
 
     keys = json.loads(config_json)
@@ -113,7 +110,7 @@ def _probe(config_json: str, attn_implementation: str) -> str | None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             toy = AutoConfig.for_model(**{k: v for k, v in keys.items() if k != "transformers_version"})
-            lm = AutoModelForCausalLM.from_config(copy.deepcopy(toy), attn_implementation=attn_implementation,
+            lm = AutoModelForCausalLM.from_config(toy, attn_implementation=attn_implementation,
                                                   dtype=torch.float32).eval()
             head = lm.get_output_embeddings()
             with torch.no_grad():
