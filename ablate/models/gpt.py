@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from ablate.model import GPT, GPTConfig
-from ablate.models import MAX_LAYERS, Adapter, Family
+from ablate.models import MAX_LAYERS, Adapter, Family, weights
 from ablate.techniques import Invalid, Plan
 
 ADAPTER = Adapter(layers="transformer.h", attention="attn", mlp="mlp", norms=(nn.LayerNorm,),
@@ -43,8 +42,15 @@ class GPT2(Family):
             raise Invalid(f"model.n_layer={c.n_layer} is more than {MAX_LAYERS:,} layers")
         if c.n_embd % c.n_head:  # else the model's own assert fails inside a worker
             raise Invalid(f"model.n_embd={c.n_embd} is not divisible by model.n_head={c.n_head}")
+        if not 0 <= c.dropout < 1:  # else nn.Dropout's ValueError in the worker; at 1 it zeroes every activation
+            raise Invalid(f"model.dropout={c.dropout} must be in [0, 1)")
         if plan.seq_len > c.block_size:
             raise Invalid(f"seq_len={plan.seq_len} > model.block_size={c.block_size}")
+        if self.init_from:  # the files' headers against the meta model: refused here, before any worker loads them
+            try:
+                fitted(self.meta_model, self.init_from, meta=True)
+            except ValueError as e:  # a config key that differs from the checkpoint's
+                raise Invalid(str(e)) from None
 
     @property
     def vocab_size(self) -> int:
@@ -79,58 +85,58 @@ class GPT2(Family):
             load_weights(model, self.init_from)
 
 
-# HF's GPT-2 uses Conv1D layers, whose weights are stored (in, out): transpose into nn.Linear's (out, in).
+# HF's GPT-2 uses Conv1D layers, whose weights are stored (in, out): nn.Linear's (out, in) transposed.
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 # The tensors with a row per token: a model with pad_vocab_to has more rows than the checkpoint.
 _PADDED = ("transformer.wte.weight", "lm_head.weight")
+_TIED = ("lm_head.weight",)  # the token embedding's own tensor: a checkpoint may leave it out
 
 
 def read_config(path: str | Path) -> dict:
     """GPT-2 shape keys of a checkpoint directory, in our GPTConfig's names."""
-    hf = json.loads((Path(path) / "config.json").read_text())
-    return dict(
-        n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-        vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
-    )
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise Invalid(f"model.init_from={path}: no {'config.json' if path.is_dir() else 'such directory'} "
+                      f"(a local save_pretrained directory of a GPT-2)")
+    hf = json.loads((path / "config.json").read_text())
+    keys = dict(n_layer="n_layer", n_head="n_head", n_embd="n_embd", vocab_size="vocab_size", block_size="n_positions")
+    if any(k not in hf for k in keys.values()):
+        raise Invalid(f"model.init_from={path}: its config.json is not a GPT-2's (model_type={hf.get('model_type')!r})")
+    return {ours: hf[theirs] for ours, theirs in keys.items()}
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a save_pretrained directory (one file or an index of shards), by its name."""
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(str(path / name)))
-    return state
+def _as_ours(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A HF GPT-2 checkpoint's tensors under ablate's GPT names (GPT2Model's lack `transformer.`)."""
+    ours = {}
+    for key, value in state.items():
+        key = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
+        if not key.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers in older checkpoints;
+            ours[key] = value  # SDPA needs none
+    return ours
+
+
+def fitted(model: GPT, path: str | Path, meta: bool = False) -> tuple[dict, dict]:
+    """(model's tensors, checkpoint's) under the same names, checked (weights.refuse_misfit): the
+    model's as views in the checkpoint's layout (Conv1D's transposed; a padded model's token rows
+    cut to the checkpoint's vocabulary), so that a reason gives the shapes the file has, and a copy
+    into a view fills the parameter. The model's config must match the checkpoint's config.json
+    first: a ValueError naming the config key that differs."""
+    wrong = [f"model.{k}={getattr(model.config, k)} but the checkpoint has {v}"
+             for k, v in read_config(path).items() if getattr(model.config, k) != v]
+    if wrong:  # named by its config key, not as the first tensor whose shape differs
+        raise ValueError(f"model.init_from={path}: " + "; ".join(wrong))
+    ours = {k: v[:model.config.vocab_size] if k in _PADDED else v.t() if k.endswith(_CONV1D) else v
+            for k, v in model.state_dict().items()}
+    theirs = _as_ours(weights.read(Path(path), meta))  # meta: the files' headers alone
+    weights.refuse_misfit(path, ours, theirs, missing=[k for k in ours if k not in theirs and k not in _TIED])
+    return ours, theirs
 
 
 def load_weights(model: GPT, path: str | Path) -> None:
     """Copy a local HF GPT-2 checkpoint into `model` in place (any device, any dtype)."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model.init_from={path}: no config.json (expected a save_pretrained dir)")
-    # Every tensor is copied whole, so each shape key must match; named here by its config key,
-    # not as the first tensor whose shape differs.
-    wrong = [f"model.{k}={getattr(model.config, k)} but the checkpoint has {v}"
-             for k, v in read_config(path).items() if getattr(model.config, k) != v]
-    if wrong:
-        raise ValueError(f"model.init_from={path}: " + "; ".join(wrong))
-    ours = model.state_dict()
+    ours, theirs = fitted(model, path)
     with torch.no_grad():
-        for key, value in read_state_dict(path).items():
-            key = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
-            if key.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # causal-mask buffers in older checkpoints; SDPA needs none
-            if key not in ours:
-                raise KeyError(f"model.init_from={path}: unexpected tensor {key}")
-            if key.endswith(_CONV1D):
-                value = value.t()
-            mine = ours[key]
-            if key in _PADDED and mine.shape[0] > value.shape[0]:  # pad_vocab_to: the tokens' rows
-                mine = mine[:value.shape[0]]
-            if mine.shape != value.shape:
-                raise ValueError(f"{key}: checkpoint shape {tuple(value.shape)} != model {tuple(mine.shape)}")
-            mine.copy_(value)
+        for key, value in theirs.items():
+            ours[key].copy_(value)

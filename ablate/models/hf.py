@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ablate.model import DeferredNormals
-from ablate.models import MAX_LAYERS, Adapter, Family, lm_loss
+from ablate.models import MAX_LAYERS, Adapter, Family, lm_loss, weights
 from ablate.models.hf_adapter import _transformers, find_adapter
 from ablate.models.hf_toy import head_is_not_plain
 from ablate.techniques import Invalid, Plan
@@ -210,6 +210,8 @@ class HFCausalLM(Family):
         if heads and kv and heads % kv:
             raise Invalid(f"model.config.num_attention_heads={heads} is not divisible by "
                           f"model.config.num_key_value_heads={kv}")
+        if self.init_from:  # the files' headers against the meta model: refused here, before any worker loads them
+            weights.hf_state(self.init_from, self.meta_model.lm, weights.read(Path(self.init_from), meta=True))
 
     @property
     def vocab_size(self) -> int:
@@ -279,18 +281,10 @@ class HFCausalLM(Family):
         return self._build(config)
 
     def load_weights(self, model: nn.Module) -> None:
-        """Copy init_from's safetensors into `model` in place (any device, any dtype)."""
-        if not self.init_from:
-            return
-        from ablate.models.gpt import read_state_dict
-
-        state = read_state_dict(Path(self.init_from))
-        with torch.no_grad():
-            missing, unexpected = model.lm.load_state_dict(state, strict=False)
-        tied = set(getattr(model.lm, "all_tied_weights_keys", {}) or {})
-        missing = [k for k in missing if k not in tied]
-        if missing or unexpected:
-            raise ValueError(f"model.init_from={self.init_from}: " + "; ".join(
-                f"{what}: {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-                for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys))
-        model.tie_weights()
+        """Copy init_from's safetensors into `model` in place (any device, any dtype), under the names
+        the family's conversion mapping in transformers gives them (ablate/models/weights.py)."""
+        if self.init_from:
+            state = weights.hf_state(self.init_from, model.lm, weights.read(Path(self.init_from)))
+            with torch.no_grad():
+                model.lm.load_state_dict(state, strict=False)
+            model.tie_weights()
