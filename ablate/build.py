@@ -64,6 +64,7 @@ def check_config(spec: RunSpec, device: str | None = None) -> Techniques:
         check_types(group, spec.groups[group])
     t = Techniques.of(spec)
     data = instantiate(spec.groups["data"])  # its own checks (data.branching <= data.vocab_size); loading waits for the worker
+    data.check()  # its files, cheaply (sizes, a text's head): a plan refuses what the worker's load would
     if (getattr(data, "vocab_size", None) or 0) > t.model.vocab_size:
         raise Invalid(f"data.vocab_size={data.vocab_size} > the model's vocabulary of {t.model.vocab_size} tokens")
     if spec.eval_steps < 0:

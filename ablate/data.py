@@ -1,11 +1,14 @@
 """Token sources: `synthetic` (a seeded Markov chain), `tokens` (nanoGPT .bin files), `chars` (text).
 
 Each option's `load(seq_len, model_vocab)` returns a TokenData: deterministic (B, T) batches for any step and
-rank, and a fixed held-out split for eval_loss.
+rank, and a fixed held-out split for eval_loss. Loading waits for the worker; what makes a point invalid
+is found in the job, before any worker starts: values by the constructor, files by `check()` (a cheap
+look: sizes, the head of a text), so a plan (predict_only=true) refuses the points a run would.
 """
 from __future__ import annotations
 
 import abc
+import codecs
 import math
 from pathlib import Path
 from typing import Iterator
@@ -83,7 +86,8 @@ class _Stream(TokenData):
         self._eval = self._windows(val, starts)
 
     def _windows(self, arr: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        return np.stack([np.asarray(arr[s : s + self.T + 1], dtype=np.int64) for s in starts])
+        rows = [np.asarray(arr[s : s + self.T + 1], dtype=np.int64) for s in starts]
+        return np.stack(rows) if rows else np.empty((0, self.T + 1), dtype=np.int64)  # eval_samples=0
 
     def _train_rows(self, idx: np.ndarray) -> np.ndarray:
         starts = np.array([np.random.default_rng((self.seed, 0, int(i))).integers(0, len(self.train) - self.T)
@@ -104,6 +108,12 @@ class Synthetic:
 
     def __init__(self, vocab_size: int | None = 512, order: int = 1, branching: int = 8,
                  train_samples: int = 10240, eval_samples: int = 256, seed: int = 1234):
+        # else a ZeroDivisionError or numpy's "negative dimensions" in the worker, naming no key;
+        # order=0 would be a unigram source, but loss_floor's count of start tokens assumes order >= 1
+        for key, value in (("order", order), ("branching", branching), ("train_samples", train_samples)):
+            if value < 1:
+                raise Invalid(f"data.{key}={value} must be >= 1")
+        _check_eval_samples(eval_samples)
         if vocab_size is not None and branching > vocab_size:
             raise Invalid(f"data.branching={branching} > data.vocab_size={vocab_size}")
         self.vocab_size, self.order, self.branching = vocab_size, order, branching
@@ -126,8 +136,11 @@ class Synthetic:
         train, h_train = self._sample(rng, V, self.train_samples, seq_len)
         held_out, h_eval = self._sample(rng, V, self.eval_samples, seq_len)
         data = _Table(train, held_out, V, self.seed)
-        data.loss_floor = h_eval
+        data.loss_floor = h_eval if self.eval_samples else None  # no held-out targets, no floor for eval_loss
         return data
+
+    def check(self) -> None:
+        """No files to look at: the constructor checked every value."""
 
     def _sample(self, rng: np.random.Generator, V: int, n: int, seq_len: int) -> tuple[np.ndarray, float]:
         """n rows of seq_len + 1 tokens of a V-token vocabulary, and the mean target entropy (nats)."""
@@ -143,18 +156,32 @@ class Synthetic:
             pick = (rng.random(n)[:, None] > self._cdf[ctx]).sum(1).clip(max=self.branching - 1)
             rows[:, t] = self._support[ctx, pick]
             entropy += self._entropy[ctx].sum()
-        return rows, float(entropy / (n * seq_len))
+        return rows, float(entropy / (n * seq_len)) if n else math.nan
 
 
 class Tokens:
     """nanoGPT-style data: `path`/train.bin and `path`/val.bin of uint16 token ids (np.memmap)."""
 
     def __init__(self, path: str, vocab_size: int = 50257, eval_samples: int = 256, seed: int = 1234):
+        _check_eval_samples(eval_samples)
         self.path, self.vocab_size, self.eval_samples, self.seed = Path(path), vocab_size, eval_samples, seed
+
+    def check(self) -> None:
+        """Each file holds whole uint16 tokens, at least one: its size alone, cheap enough for the
+        job. A missing file is left to load (an error row: the file may yet appear)."""
+        for name in ("train", "val"):
+            f = self.path / f"{name}.bin"
+            size = f.stat().st_size if f.is_file() else None
+            if size == 0:  # else np.memmap's "cannot mmap an empty file"
+                raise Invalid(f"data.path={self.path}: {f.name} is empty (0 bytes): no tokens")
+            if size and size % 2:  # else np.memmap's "not a multiple of the data-type size"
+                raise Invalid(f"data.path={self.path}: {f.name} has an odd length of {size} bytes: "
+                              "not uint16 tokens (2 bytes each)")
 
     def load(self, seq_len: int, model_vocab: int | None = None) -> TokenData:
         """Checks every token id against data.vocab_size and the model's vocabulary (one pass over
         the files: an id the model cannot embed would fail mid-run as an index error)."""
+        self.check()  # again in the worker: the files may have changed since the job looked
         split = {}
         for name in ("train", "val"):
             f = self.path / f"{name}.bin"
@@ -173,15 +200,53 @@ class Chars:
     """Character-level text: the vocabulary is the file's sorted characters; the last 10% is held out."""
 
     def __init__(self, path: str, eval_samples: int = 256, seed: int = 1234):
+        _check_eval_samples(eval_samples)
         self.path, self.eval_samples, self.seed = Path(path), eval_samples, seed
 
+    def check(self) -> None:
+        """The file's head is UTF-8 text, not empty: a small read, cheap enough for the job (a
+        binary file shows in its first bytes). A missing file is left to load (an error row)."""
+        if not self.path.is_file():
+            return
+        with self.path.open("rb") as f:
+            head = f.read(_TEXT_HEAD)
+        problem = _not_text(head, whole=len(head) < _TEXT_HEAD)
+        if problem:
+            raise Invalid(f"data.path={self.path} {problem}")
+
     def load(self, seq_len: int, model_vocab: int | None = None) -> TokenData:
+        self.check()  # again in the worker: the file may have changed since the job looked
         try:
             text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:  # past the head that check() read
+            raise Invalid(f"data.path={self.path} is not UTF-8 text: {exc.reason}") from None
         except OSError as exc:  # named by its key, as Tokens names its missing files
             raise type(exc)(f"data.path={self.path}: {exc.strerror or exc}") from None
+        if "\0" in text:  # past the head that check() read
+            raise Invalid(f"data.path={self.path} is not text: a NUL at character {text.index(chr(0))}")
         chars = sorted(set(text))
         lookup = {ch: i for i, ch in enumerate(chars)}
         ids = np.fromiter((lookup[ch] for ch in text), dtype=np.uint16, count=len(text))
         cut = int(0.9 * len(ids))
         return _Stream(ids[:cut], ids[cut:], len(chars), seq_len, self.eval_samples, self.seed)
+
+
+_TEXT_HEAD = 1 << 16  # bytes of a chars file the job reads to tell text from binary
+
+
+def _not_text(raw: bytes, whole: bool) -> str | None:
+    """What makes `raw` (a file's first bytes; `whole`: all of it) no UTF-8 text, or None."""
+    if not raw:
+        return "is empty: no characters"
+    try:  # incremental: a character cut at the end of the head is no error
+        codecs.getincrementaldecoder("utf-8")().decode(raw, final=whole)
+    except UnicodeDecodeError as exc:
+        return f"is not UTF-8 text: {exc.reason} at byte {exc.start}"
+    if b"\0" in raw:  # valid UTF-8, but no text holds one: a binary file
+        return f"is not text: a NUL byte at byte {raw.index(0)}"
+    return None
+
+
+def _check_eval_samples(eval_samples: int) -> None:
+    if eval_samples < 0:
+        raise Invalid(f"data.eval_samples={eval_samples} must be >= 0 (0: no held-out split, no eval_loss)")
