@@ -30,8 +30,8 @@ def main(cfg: DictConfig) -> dict:
 
 def cli() -> None:
     """`ablate ARGS` (the console script) and `python -m ablate ARGS`. Exit status: 0, or 1 for a
-    command line it refuses and for a single run whose point ended invalid, oom, error or timeout
-    (so a script notices; a sweep that survives its failing points exits 0, its rows say how each
+    command line it refuses and for a single run whose point ended invalid, oom, error, timeout or
+    diverged (so a script notices; a sweep that survives its failing points exits 0, its rows say how each
     ended), 130 for Ctrl-C."""
     if sys.argv[1:] == ["--version"]:  # Hydra's own flag would print only "Hydra 1.3.8"
         from importlib.metadata import version

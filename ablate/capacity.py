@@ -30,10 +30,19 @@ def usable_mib(gpu_mib: float) -> float:
 def host_free_mib() -> float | None:
     """Host memory the kernel says a new process can take now (MemAvailable, Linux), in MiB; None
     where /proc/meminfo does not say (macOS)."""
+    return _meminfo("MemAvailable")
+
+
+def host_total_mib() -> float | None:
+    """The host's memory (MemTotal), in MiB; None where /proc/meminfo does not say."""
+    return _meminfo("MemTotal")
+
+
+def _meminfo(field: str) -> float | None:
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) / 1024  # kB
+        return int(fields[field].split()[0]) / 1024  # kB
     except (OSError, KeyError, ValueError):
         return None
 
@@ -51,6 +60,8 @@ class MemoryLimit:
 
     def __init__(self, gpu_memory_gib: float | None, device: torch.device):
         self.gib, self.device = gpu_memory_gib, device
+        if gpu_memory_gib is not None and gpu_memory_gib <= 0:  # 0 would read as no card at all: no limit
+            raise Invalid(f"gpu_memory_gib={gpu_memory_gib} must be > 0 (GiB of the card to emulate; null: no limit)")
         self.mib = usable_mib(gpu_memory_gib * 1024) if gpu_memory_gib else None
         if self.mib is not None and self.mib <= 0:
             raise Invalid(f"gpu_memory_gib={gpu_memory_gib} leaves nothing after the "

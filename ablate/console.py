@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from ablate import results
+
 PLAIN_EVERY_S = 10.0  # without a terminal, a progress line at most this often
 
 
@@ -30,7 +32,9 @@ class Progress:
         if event["event"] == "phase":  # eval gets a line of its own: it can outlast a short run's training
             self._show(f"{self.label}  {event['phase']}...", force=event["phase"] in ("init", "eval"))
         elif event["event"] == "progress":
-            self._show(f"{self.label}  step {event['step']}/{event['steps']}  loss {event['loss']:.4f}"
+            loss = event.get("loss")  # null: the events channel's NaN or inf (a progress line always has a loss)
+            self._show(f"{self.label}  step {event['step']}/{event['steps']}  loss "
+                       f"{'non-finite' if loss is None else f'{loss:.4f}'}"
                        f"  {event['elapsed_s']:.1f}s", force=event["step"] == event["steps"])
 
     def _show(self, line: str, force: bool = False) -> None:
@@ -56,7 +60,7 @@ class Progress:
         m = result["metrics"]
         status = "skip" if skipped else result["status"]
         predicted = (result.get("prediction") or {}).get("peak_mib")
-        if result["status"] == "ok":
+        if result["status"] in results.MEASURED:  # a diverged run measured its peak and time too
             peak = m["peak_allocated_mib"]
             error = f", {100 * (predicted / peak - 1):+.1f}%" if predicted and peak else ""  # the model's own check
             detail = (f"peak {_fmt(peak, '.1f', ' MiB')} (predicted {_fmt(predicted, '.1f')}{error})"
@@ -65,6 +69,8 @@ class Progress:
                       + _overhead(result.get("timing") or {}))
             if m.get("traced_step_oom"):  # the eager traced step ran out of memory; the measured steps fit
                 detail += "  (traced step: OOM, no breakdown)"
+            if result["reason"]:  # diverged: where the loss went non-finite
+                detail += f"  {result['reason']}"
         elif result["status"] == "predicted":
             detail = f"predicted peak {_fmt(predicted, ',.1f', ' MiB')}"
             if result["reason"]:  # e.g. what a predicted batch search could not answer

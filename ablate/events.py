@@ -3,8 +3,8 @@
 A file rather than stdout so that it survives a crash (the job reads what was written before a
 SIGKILL), and so that the worker's own stdout/stderr stay a plain log. Events:
   {"event": "phase", "phase": "init"|"train"|"trace"|"measure"|"eval"|"report"}
-  {"event": "progress", "step": k, "steps": N, "loss": float, "elapsed_s": float}
-  {"event": "result", "metrics": {...}, "env": {...}}
+  {"event": "progress", "step": k, "steps": N, "loss": float|null, "elapsed_s": float}   (null: NaN or inf)
+  {"event": "result", "metrics": {...}, "env": {...}, "diverged": str|null}   (null: the losses are finite)
   {"event": "failure", "status": "oom"|"invalid"|"error", "reason": str}   (from any rank)
   {"event": "started", "pid": int, "host": str}   (from every rank: lets the job attribute NVML
                                                    memory to ranks, and name a lost rank's node)

@@ -75,9 +75,11 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
     def fits(micro: int) -> bool:
         out = run(spec.with_micro_batch(micro, steps=1), run_dir / "find_batch" / f"micro_{micro}")
         peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
-        ok = out.status == "ok" and under_margin(peak, capacity)
+        ok = out.status in results.MEASURED and under_margin(peak, capacity)  # a diverged probe fit too
         probes.append({"micro_batch": micro, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
-        if out.stopped_by:  # the job was told to stop: no further probe starts
+        # The job was told to stop, or the probe measured nothing (a limit of this process refused
+        # host memory): no further probe starts, and a smaller micro-batch is not read as the answer.
+        if out.stopped_by or (out.status == "error" and str(out.reason).startswith(results.UNMEASURED)):
             raise _Stopped(out)
         return ok
 

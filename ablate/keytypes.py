@@ -8,6 +8,7 @@ naming no key. This check names it: "accumulation.steps='abc' must be int".
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from typing import Any
@@ -62,10 +63,12 @@ def fits(value, hint) -> bool:
         return value is None
     if isinstance(value, bool) and hint is not bool:
         return False
-    if hint is float:
-        return isinstance(value, (int, float))
+    if hint is float:  # NaN and inf pass every comparison a check makes (timeout_s=nan: no timeout)
+        return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
     return isinstance(value, hint)
 
 
 def _name(hint) -> str:
+    if hint is float:
+        return "a finite float"
     return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "").replace("collections.abc.", "")

@@ -145,7 +145,10 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
         return replace(outcome, env=judged), prediction
     if spec.predict_only:
         prediction = predicted(spec)
-        return replace(plan_outcome(prediction, capacity), env=judged), prediction
+        # A plan for this host's CPU refuses what its run would: more than the host has free.
+        too_big = _over_the_host(spec, prediction, gpu_mib) if spec.device == "cpu" else None
+        outcome = Outcome("oom", too_big) if too_big else plan_outcome(prediction, capacity)
+        return replace(outcome, env=judged), prediction
     searched = spec.find_batch
     smallest = micros[0] if searched else None
     prediction = predicted(spec.with_micro_batch(smallest) if searched else spec)

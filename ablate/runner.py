@@ -40,6 +40,27 @@ class Trained:
     compile_s: float | None = None  # wall time of the first step, which compiles the model
     skipped_steps: int | None = None  # optimizer steps the GradScaler skipped (inf/nan gradients)
     traced_step_oom: bool = False  # the traced warm-up step ran out of memory; training went on untraced
+    warmup: int = 0  # of the steps in `losses`, the first `warmup` are warm-up steps
+    loss_scale: float | None = None  # the GradScaler's scale after the last step (fp16); None without one
+
+    @property
+    def diverged_at(self) -> int | None:
+        """The first optimizer step (1-based, warm-up included) whose loss is NaN or inf; None
+        when every loss is finite."""
+        return next((k for k, loss in enumerate(self.losses, 1) if not math.isfinite(loss)), None)
+
+    def divergence(self) -> str | None:
+        """Why this run's losses are not a measurement, in one line; None when they are. Its peaks
+        and times still are: the same kernels ran on the same shapes."""
+        k = self.diverged_at
+        if k is None:
+            return None
+        value = self.losses[k - 1]
+        where = f"warm-up step {k}" if k <= self.warmup else f"measured step {k - self.warmup}"
+        scale = (f"; the fp16 loss scale ended at {self.loss_scale:g} with {self.skipped_steps} optimizer "
+                 "steps skipped" if self.loss_scale is not None else "")
+        return (f"the loss was {value} at {where} (step {k} of {len(self.losses)}, warm-up "
+                f"included){scale}; memory and time are measured, the losses are not")
 
 
 def load_data(spec: RunSpec, t: Techniques) -> TokenData:
@@ -119,13 +140,15 @@ def snapshot_compiled_step(spec: RunSpec) -> int | None:
     return spec.warmup_steps - 2 if spec.compile and spec.warmup_steps >= 3 else None
 
 
-def trainer(spec: RunSpec, t: Techniques, data: TokenData,
-            device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], torch.Tensor]]:
+def trainer(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device,
+            scaler: torch.amp.GradScaler | None = None
+            ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], torch.Tensor]]:
     """The built model and optimizer, and step(k): one optimizer step on this rank's slice of
-    global batch k, returning its loss (benchmarks/profile_step.py profiles the same step)."""
+    global batch k, returning its loss (benchmarks/profile_step.py profiles the same step).
+    `scaler`: the precision option's GradScaler, where the caller reads its state afterwards."""
     model = build_model(t, device, compile=spec.compile)
     optimizer = build_optimizer(model, t)
-    scaler = t.precision.grad_scaler(device.type)  # allocates nothing until its first step
+    scaler = scaler or t.precision.grad_scaler(device.type)  # allocates nothing until its first step
     B, rank, world = spec.batch_size, t.parallel.rank, t.parallel.world_size
 
     def step(k: int) -> torch.Tensor:  # rank r trains on the r-th slice of global batch k
@@ -139,7 +162,8 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
     mem, history = measure.DeviceMemory(device), artifacts.AllocatorHistory(device)
     events.emit("phase", phase="init")
     mem.reset()
-    model, optimizer, step = trainer(spec, t, data, device)
+    scaler = t.precision.grad_scaler(device.type)
+    model, optimizer, step = trainer(spec, t, data, device, scaler)
     init_peak = mem.peak_allocated_mib()
     optimizer_steps = measure.StepCounter(optimizer)
     B, world, warmup = spec.batch_size, t.parallel.world_size, spec.warmup_steps
@@ -188,7 +212,8 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
                           losses=rank_mean(losses, device), init_peak_mib=init_peak,
                           compile_s=first_step_s if spec.compile else None,
                           skipped_steps=warmup + steps - taken if taken is not None else None,
-                          traced_step_oom=trace_oom)
+                          traced_step_oom=trace_oom, warmup=warmup,
+                          loss_scale=scaler.get_scale() if scaler.is_enabled() else None)
 
 
 def _max(values: list):
@@ -226,6 +251,8 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         "compile_s": run.compile_s,
         "skipped_steps": run.skipped_steps,
         "traced_step_oom": run.traced_step_oom,  # true: no breakdown, the tracer's OOM, not training's
+        "diverged_at_step": run.diverged_at,
+        "loss_scale": run.loss_scale,
         "loss_first": run.losses[0] if run.losses else None,
         "loss_final": sum(tail) / len(tail) if tail else None,
         "eval_loss": eval_loss,
@@ -239,7 +266,8 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
 
 def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict | None:
     """The whole grid point on this rank (`job`: the spec.json the job wrote); rank 0 returns
-    {"metrics", "env"} for the result event."""
+    {"metrics", "env", "diverged"} for the result event ("diverged": why the losses are not a
+    measurement, or None)."""
     spec = RunSpec.of(job["config"])
     device = pick_device(spec.device)
     t = check_config(spec, device.type)
@@ -276,4 +304,5 @@ def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict 
         "cpu_threads": torch.get_num_threads(),
         **limit.env(),
     }
-    return {"metrics": metrics(spec, t, trained, ranks, eval_loss, data.loss_floor, gpu_name), "env": env}
+    return {"metrics": metrics(spec, t, trained, ranks, eval_loss, data.loss_floor, gpu_name), "env": env,
+            "diverged": trained.divergence()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
+import math
 import typing
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -190,7 +191,7 @@ def _run_types() -> dict:
 
 
 RUN_TYPES = _run_types()  # run key -> its annotated type
-_KIND = {bool: "true or false", int: "a whole number", float: "a number", str: "a string", type(None): "null"}
+_KIND = {bool: "true or false", int: "a whole number", float: "a finite number", str: "a string", type(None): "null"}
 
 
 def _wrong_type(o, hint) -> str | None:
@@ -229,7 +230,13 @@ def unknown_key(argv: list[str]) -> str | None:
         return None
     errors = []
     for o in overrides:
-        if o.is_delete() or o.is_force_add():
+        if o.is_delete():
+            continue
+        if _non_finite(o):  # of any key, an option's too: the point would train, then its row could not be written
+            errors.append(f"{o.key_or_group}={_non_finite(o)} is not a finite number: every number ablate "
+                          "takes is finite (NaN and inf pass no check that compares them).")
+            continue
+        if o.is_force_add():
             continue
         head, _, rest = o.key_or_group.replace("/", ".").partition(".")
         if (head in GROUPS or head in OVERLAYS) and not rest and not o.is_add():
@@ -260,6 +267,25 @@ def unknown_key(argv: list[str]) -> str | None:
     if not errors:
         return None
     return "\n".join(errors + ["See the whole config with `python -m ablate --cfg job`."])
+
+
+def _non_finite(o) -> str | None:
+    """The first NaN or infinite number an override's value holds (a sweep's, a list's, a dict's),
+    as typed; None without one."""
+    def walk(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from walk(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from walk(v)
+    try:
+        values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+    except Exception:  # a range or interval sweep: no values to list, and none NaN-typed
+        return None
+    return next((str(v) for v in walk(values)), None)
 
 
 def _unscalable(overrides: list) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ablate import host
 from ablate.artifacts import dump_oom_snapshot
 from ablate.events import EventWriter
 from ablate.runner import run
@@ -48,10 +49,10 @@ def inject_fault(overrides: list[str], rank: int = 0) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# Allocation failures that do not arrive as torch.OutOfMemoryError: the host allocator's, and
-# CUDA libraries that allocate outside the caching allocator (cuBLAS workspaces, the context).
-_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory",
-                 "CUBLAS_STATUS_ALLOC_FAILED")
+# Allocation failures that do not arrive as torch.OutOfMemoryError: CUDA libraries that allocate
+# outside the caching allocator (cuBLAS workspaces, the context). The host allocator's are judged
+# by ablate/host.py: a process or cgroup limit's refusal measures nothing of the point.
+_OOM_MESSAGES = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
 def classify(exc: BaseException) -> tuple[str, str]:
@@ -59,6 +60,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, torch.OutOfMemoryError):
         return "oom", text
+    if isinstance(exc, RuntimeError) and host.refused(str(exc)):
+        return host.refused(str(exc))
     if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES):
         return "oom", text
     if isinstance(exc, Invalid):

@@ -47,6 +47,9 @@ def failed(row: pd.Series) -> str:
         return f"OOM (predicted ~{predicted:,.0f})"
     if not_run(row):  # a ladder stopped before it: it never ran out of anything either
         return "not run"
+    if row["status"] == "diverged":  # its memory is a measurement; marked, so no one reads it as a plain run
+        peak, step = row.get(MEMORY), row.get("diverged_at_step")
+        return " ".join(filter(None, [mib(peak), "(diverged" + (f" at step {step:.0f})" if pd.notna(step) else ")")]))
     return "OOM" if row["status"] == "oom" else row["status"]
 
 

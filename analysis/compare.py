@@ -112,7 +112,8 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     """The row every delta is taken against: the run with the most varied groups at their reference
     option (all of them, where such a run exists), then the most varied option keys at their
     option's default (`parallel.sync_each_micro_step=true,false` is measured against true) and run
-    keys off (OFF_KEYS), then the ok runs, then the smallest batch: the first in row order.
+    keys off (OFF_KEYS), then the ok runs, then the smallest batch: the first in row order. A run
+    that diverged is the baseline only where every candidate did.
     `--baseline key=value,...` narrows the candidates first, and the same rule picks among them:
     `--baseline parallel=fsdp` over `parallel=fsdp,ddp checkpoint=none,block` is FSDP without
     recompute, whatever order the rows come in."""
@@ -121,8 +122,9 @@ def baseline_index(df: pd.DataFrame, labels: list[str], baseline: dict[str, str]
     at_reference = sum(n for col, n in at.items() if col in GROUPS)  # groups at their reference option
     at_default = sum(n for col, n in at.items() if col not in GROUPS)  # option keys at default, run keys off
     ok = (candidates["status"] == "ok").astype(int)
-    score = pd.DataFrame({"refs": at_reference, "defaults": at_default, "ok": ok}, index=candidates.index)
-    return score.sort_values(["refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
+    sane = (candidates["status"] != "diverged").astype(int)  # its losses are no reference, even at the defaults
+    score = pd.DataFrame({"sane": sane, "refs": at_reference, "defaults": at_default, "ok": ok}, index=candidates.index)
+    return score.sort_values(["sane", "refs", "defaults", "ok"], ascending=False, kind="stable").index[0]
 
 
 def spelled(value) -> str:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-# Non-ok run statuses (ablate.results.STATUSES): the first two are expected outcomes of a sweep.
-WARN = ("oom", "invalid")
+# Non-ok run statuses (ablate.results.STATUSES): these three are expected outcomes of a sweep.
+WARN = ("oom", "invalid", "diverged")
 ERROR = ("error", "timeout")
 
 CSS = """
@@ -67,10 +67,10 @@ def is_number(text: str) -> bool:
 
 
 def status_class(text: str) -> str:
-    """'warn' for 'OOM' / 'OOM (predicted ~N)' / 'oom: ...' / 'invalid: ...', 'err' for error and
-    timeout, else ''."""
+    """'warn' for 'OOM' / 'OOM (predicted ~N)' / 'oom: ...' / 'invalid: ...' / 'diverged: ...' and a
+    diverged run's measured memory ('104 (diverged at step 2)'), 'err' for error and timeout, else ''."""
     head = re.split(r"[:(\s]", text.strip(), maxsplit=1)[0].lower()  # "OOM (predicted ~20,236)" -> "oom"
-    return "warn" if head in WARN else "err" if head in ERROR else ""
+    return "warn" if head in WARN or "(diverged" in text else "err" if head in ERROR else ""
 
 
 def _text(value) -> str:

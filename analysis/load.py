@@ -99,7 +99,7 @@ def text(value) -> str:
 
 
 def load(paths: list[str | Path]) -> pd.DataFrame:
-    """One row per run_id (the newest wins). Files that are not results by the contract
+    """One row per run_id and machine (one_per_machine). Files that are not results by the contract
     (ablate.results.problem: unreadable, foreign, missing fields) are named on stderr and skipped."""
     rows = []
     for path in result_files(paths):
@@ -111,8 +111,41 @@ def load(paths: list[str | Path]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    # the newest of each run_id; of a result and its reused copies, the one measured here
+    # oldest first, one_per_machine keeps the last: of a result and its reused copies, the one measured here
     df = df.assign(_copy=df["reused_from"].notna()).sort_values(["finished_at", "_copy"], ascending=[True, False],
                                                                  na_position="first", kind="stable")
-    df = df.drop_duplicates("run_id", keep="last").drop(columns="_copy")
-    return df.reset_index(drop=True)
+    return one_per_machine(df).drop(columns="_copy").reset_index(drop=True)
+
+
+def one_per_machine(df: pd.DataFrame) -> pd.DataFrame:
+    """Of the rows of one run_id, the last (df is sorted oldest first) of each machine: the same
+    point measured again on the same machine supersedes the earlier result, which is named on
+    stderr beside the one kept; measured on two machines, both stay, two measurements, each with
+    `measured_on` saying where (the tables mark the row, as they mark a reused one). A reused copy
+    (`_copy`) goes without a note: its figures are those of the result it names."""
+    df = df.assign(measured_on=None)
+    twice = df["run_id"].duplicated(keep=False)
+    dropped = []
+    for _, part in df[twice].groupby("run_id", sort=False):
+        kept = []
+        for i, row in reversed(list(part.iterrows())):  # newest first
+            twin = next((k for k in kept if same_machine(part.loc[k], row)), None)
+            if twin is None:
+                kept.append(i)
+                continue
+            dropped.append(i)
+            if not row["_copy"] and Path(row["path"]).resolve() != Path(part.loc[twin, "path"]).resolve():
+                print(f"note: dropping {row['path']}: run {row['run_id']} measured again on the same machine, "
+                      f"in {part.loc[twin, 'path']}, which is kept", file=sys.stderr)
+        if len(kept) > 1:  # where each ran: the host, or the GPU where the hosts are alike
+            hosts = part.loc[kept, "env_hostname"] if "env_hostname" in part else pd.Series(None, index=kept)
+            where = hosts if hosts.nunique(dropna=False) > 1 else part.loc[kept].get("env_gpu_name", hosts)
+            df.loc[kept, "measured_on"] = where.fillna("an unnamed machine").astype(str)
+    return df.drop(index=dropped)
+
+
+def same_machine(a: pd.Series, b: pd.Series) -> bool:
+    """Whether two rows ran on the same machine: the same env hostname and GPU name, a null (a run
+    that never reached a device, an older file) matching any."""
+    return not any(pd.notna(a.get(k)) and pd.notna(b.get(k)) and a.get(k) != b.get(k)
+                   for k in ("env_hostname", "env_gpu_name"))

@@ -111,6 +111,13 @@ def not_a_ladder(df: pd.DataFrame, labels: list[str]) -> str | None:
     return None
 
 
+def marks(row) -> str:
+    """Where a row's figures come from: " (reused)", measured by an earlier sweep; " (on node7)", one of
+    a run's measurements on several machines (load.one_per_machine)."""
+    on = f" (on {row['measured_on']})" if pd.notna(row.get("measured_on")) else ""
+    return (" (reused)" if pd.notna(row.get("reused_from")) else "") + on
+
+
 def memory_delta(row: pd.Series, base: pd.Series) -> str:
     """Δ peak memory against `base` (the baseline, or a ladder's previous row): measured against
     measured, or, for a plan made with predict_only, predicted against predicted ("~-46.8%");
@@ -141,7 +148,7 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
         # A ladder's row names what it adds to the row above; otherwise what differs from the baseline.
         ref = prev_any if ladder and prev_any is not None else base
         label = setting_label(row, ref, labels) if row.name != base.name else setting_label(row, base, labels)
-        out = {"Setting": label + (" (reused)" if pd.notna(row.get("reused_from")) else ""),
+        out = {"Setting": label + marks(row),
                memory: mib(row[MEMORY]) if ok else failed(row),
                "Training Latency (s)": num(row["train_latency_s"], ".2f") if ok else "",
                "Iteration p10–p90 (ms)": spread(row) if ok else "",
@@ -246,9 +253,9 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
         out["Predicted peak (MiB)"] = [num(v, ",.1f") for v in df["predicted_peak_mib"]]
         out["Prediction error"] = [delta(p, m) if good else "" for p, m, good
                                    in zip(df["predicted_peak_mib"], df[MEMORY], ok)]
-    out["Status"] = [(f"{s}: {r}" if s != "ok" and isinstance(r, str) and r else s) + (" (reused)" if pd.notna(u) else "")
-                     for s, r, u in zip(df["status"], df["reason"], df["reused_from"] if "reused_from" in df
-                                        else [None] * len(df))]  # a predicted row has no reason
+    out["Status"] = [(f"{r['status']}: {r['reason']}" if r["status"] != "ok" and isinstance(r["reason"], str)
+                      and r["reason"] else r["status"]) + marks(r)  # a predicted row has no reason
+                     for r in df.reindex(columns=["status", "reason", "reused_from", "measured_on"]).to_dict("records")]
     # On a CPU no reserved, NVML or MFU; in a predict_only plan no measurement, Δ loss or error.
     return filled(out, keep=labels)
 

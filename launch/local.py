@@ -30,7 +30,7 @@ STACK_DUMP_S = 1.0  # how long a worker past its timeout gets to write its stack
 
 @dataclass
 class Outcome:
-    status: str  # ok | oom | invalid | error | timeout | predicted
+    status: str  # one of ablate.results.STATUSES
     reason: str | None
     metrics: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
@@ -175,8 +175,9 @@ def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[di
         return Outcome("timeout", f"worker still running after timeout_s={timeout_s:g} s; killed{_hung_at(log)} "
                                   f"(every thread's stack: {log.name})")
     result = next((e for e in events if e["event"] == "result"), None)
-    if result and returncode == 0:
-        return Outcome("ok", None, result["metrics"], result["env"])
+    if result and returncode == 0:  # a run whose loss went non-finite measured all but its losses
+        diverged = result.get("diverged")
+        return Outcome("diverged" if diverged else "ok", diverged, result["metrics"], result["env"])
     failures = [e for e in events if e["event"] == "failure"]
     named = (lambda e: f"rank {e['rank']}: {e['reason']}") if world_size > 1 else (lambda e: e["reason"])
     # A rank's own OOM or invalid report is the root cause; the others then fail on its absence.
@@ -254,6 +255,16 @@ def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
                                 start_new_session=True, env=env, preexec_fn=_die_with_parent)
 
 
+def _shown(on_event: Callable[[dict], None], event: dict) -> None:
+    """Hand `event` to the display. A display that fails (an event it cannot format) costs that
+    line, never the worker it shows: this loop also enforces the timeout and collects the result."""
+    try:
+        on_event(event)
+    except Exception as exc:
+        print(f"warning: could not show the worker's {event.get('event')} event ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+
+
 def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int = 1,
                on_event: Callable[[dict], None] = lambda e: None, env: dict | None = None,
                next_at: str = "eval") -> Outcome:
@@ -276,7 +287,7 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                     sampler.measuring = event["phase"] == "measure"
                     if event["phase"] == next_at:
                         _prestart_next(cmd, env)
-                on_event(event)
+                _shown(on_event, event)
 
         deadline = time.monotonic() + timeout_s
         try:

@@ -10,7 +10,7 @@ from hydra.experimental.callback import Callback
 
 from ablate.results import RESULT_FILE, STATUSES, load
 
-FAILED = tuple(s for s in STATUSES if s not in ("ok", "predicted"))  # oom, invalid, error, timeout
+FAILED = tuple(s for s in STATUSES if s not in ("ok", "predicted"))  # oom, invalid, error, timeout, diverged
 SHOWN = 20  # failed points listed by name; the rest are counted
 
 

@@ -62,8 +62,11 @@ def prestart(cmd: list[str], env: dict, preexec_fn=None) -> None:
     if _waiting is not None and _waiting.serves(cmd, env):
         return
     drop()
-    proc = subprocess.Popen([*cmd, WAIT_FLAG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, env=env, preexec_fn=preexec_fn)
+    try:
+        proc = subprocess.Popen([*cmd, WAIT_FLAG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, env=env, preexec_fn=preexec_fn)
+    except OSError:  # no process to be had (EAGAIN, ENOMEM, EACCES): only the head start is lost; the
+        return  # launch starts its own, and a failure there is the point's `launch failed` row
     _waiting = Warm(proc, list(cmd), dict(env))
 
 

@@ -140,7 +140,7 @@ def test_a_parallel_setting_that_cannot_run_is_invalid_before_any_rank_starts(ov
 @pytest.mark.parametrize("override, message", [
     ("accumulation.steps=abc", "accumulation.steps='abc' must be int"),  # was "'<' not supported between..."
     ("accumulation.steps=true", "accumulation.steps=True must be int"),
-    ("optimizer.lr=abc", "optimizer.lr='abc' must be float"),
+    ("optimizer.lr=abc", "optimizer.lr='abc' must be a finite float"),
     ("optimizer.betas=0.9", "optimizer.betas=0.9 must be tuple[float, float]"),
     ("optimizer.betas=[0.9,x]", "optimizer.betas=[0.9, 'x'] must be tuple[float, float]"),
     ("optimizer.betas=[0.9]", "optimizer.betas=[0.9] must be tuple[float, float]"),  # was: IndexError

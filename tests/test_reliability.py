@@ -1,4 +1,4 @@
-"""Issue 39's chaos defects, one test each: no fault and no input loses or corrupts a row.
+"""The first chaos pass's defects, one test each: no fault and no input loses or corrupts a row.
 
 Through the real CLI where the defect was in the CLI's path (a rerun, two sweeps at once, a full
 disk), in process where a function decides (the validator, the config checks, the report)."""
