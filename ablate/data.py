@@ -167,11 +167,14 @@ class Tokens:
         self.path, self.vocab_size, self.eval_samples, self.seed = Path(path), vocab_size, eval_samples, seed
 
     def check(self) -> None:
-        """Each file holds whole uint16 tokens, at least one: its size alone, cheap enough for the
-        job. A missing file is left to load (an error row: the file may yet appear)."""
+        """Each file is there and holds whole uint16 tokens, at least one: its size alone, cheap
+        enough for the job (an invalid row is checked again on a rerun: a file that appears runs)."""
         for name in ("train", "val"):
             f = self.path / f"{name}.bin"
-            size = f.stat().st_size if f.is_file() else None
+            if not f.is_file():  # else np.memmap's FileNotFoundError in the worker, which a plan would not see
+                raise Invalid(f"data.path={self.path}: no {f.name} there (nanoGPT's train.bin and val.bin of "
+                              "uint16 tokens)")
+            size = f.stat().st_size
             if size == 0:  # else np.memmap's "cannot mmap an empty file"
                 raise Invalid(f"data.path={self.path}: {f.name} is empty (0 bytes): no tokens")
             if size and size % 2:  # else np.memmap's "not a multiple of the data-type size"
@@ -204,10 +207,10 @@ class Chars:
         self.path, self.eval_samples, self.seed = Path(path), eval_samples, seed
 
     def check(self) -> None:
-        """The file's head is UTF-8 text, not empty: a small read, cheap enough for the job (a
-        binary file shows in its first bytes). A missing file is left to load (an error row)."""
-        if not self.path.is_file():
-            return
+        """The file is there and its head is UTF-8 text, not empty: a small read, cheap enough for
+        the job (a binary file shows in its first bytes)."""
+        if not self.path.is_file():  # an invalid row, as a run's would be: a plan must refuse it too
+            raise Invalid(f"data.path={self.path}: no such file (a UTF-8 text file)")
         with self.path.open("rb") as f:
             head = f.read(_TEXT_HEAD)
         problem = _not_text(head, whole=len(head) < _TEXT_HEAD)

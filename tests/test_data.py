@@ -9,6 +9,7 @@ import torch
 
 from ablate.data import Chars, Synthetic, Tokens
 from ablate.outcome import validate
+from ablate.techniques import Invalid
 from tests.helpers import compose_spec
 
 
@@ -60,9 +61,12 @@ def test_tokens_reads_nanogpt_bin_files(tmp_path):
     assert int(ex.min()) >= 5000
 
 
-def test_tokens_missing_file_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train.bin"):
-        Tokens(str(tmp_path)).load(8)
+def test_a_missing_data_file_is_invalid_in_the_job_naming_the_path(tmp_path):
+    for data in (Tokens(str(tmp_path)), Chars(str(tmp_path / "input.txt"))):
+        with pytest.raises(Invalid, match=f"data.path={tmp_path}.*: no "):
+            data.check()  # the job's look, so a plan refuses what the worker's load would
+        with pytest.raises(Invalid, match=f"data.path={tmp_path}"):
+            data.load(8)
 
 
 def test_chars_builds_a_vocabulary_and_splits(tmp_path):
