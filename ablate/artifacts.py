@@ -102,8 +102,8 @@ class AllocatorHistory:
 
     Recording costs host time on every allocation and free (~2 us with a Python stack, torch's
     figure; no C++ stacks, no stacks for frees) and a few KB per event kept, so it runs for the
-    traced warm-up step only, which is untimed (the issue asked for that; what it costs a step is
-    for a GPU session to measure). Blocks allocated before it (parameters, optimizer states) show
+    traced warm-up step only, which is untimed, so the measured steps never pay it (what it would
+    cost a step is unmeasured). Blocks allocated before it (parameters, optimizer states) show
     in the snapshot without a stack; backward allocates on autograd's thread, which has no Python
     stack either.
     """

@@ -35,8 +35,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 @functools.lru_cache(maxsize=1)
 def git_sha() -> str | None:
     """The commit the code ran at: the one ABLATE_GIT_SHA names when set (a copy of the tree shipped
-    to a GPU host, whose .git may be missing, or stale: on the H100 it named the commit before the
-    one that ran), else git's, with '+dirty' when the work tree has changes; None outside git."""
+    to a host that cannot reach the repository, whose .git may be missing, or stale: it would name
+    an older commit than the one that ran), else git's, with '+dirty' when the work tree has
+    changes; None outside git."""
     if os.environ.get("ABLATE_GIT_SHA"):
         return os.environ["ABLATE_GIT_SHA"]
 

@@ -131,8 +131,8 @@ _PLAIN = (torch.Tensor, nn.Parameter)  # tensors whose storage is their own
 
 class DeferredNormals(TorchFunctionMode):
     """Within it, torch.nn.init.normal_(w, 0, std) calls (as transformers' `_init_weights` makes
-    them, one after another in module order: Llama 3.2 1B's 1.2 G values took 12.4 s on the 2-core
-    VM) are collected and drawn together by `normal_draws`, on torch's threads. A later call that
+    them, one after another in module order: Llama 3.2 1B's 1.2 G values took 12.4 s that way) are
+    collected and drawn together by `normal_draws`, on torch's threads. A later call that
     touches a pending tensor's storage (a padding row zeroed after its embedding's draw, a copy)
     first has the pending draws made, so every value ends as if each call ran where it was made;
     the rest are made on leaving. The values are normal_draws': decided by the seed and the calls'
@@ -214,8 +214,8 @@ class GPT(nn.Module):
 
         Separate from __init__ so a model built on the meta device can be initialised after
         `to_empty(device=...)`, directly on the target device. Each weight is drawn once, by
-        `normal_draws` (on a CPU in parallel: gpt2-xl's 1.56 G values took 12-16 s of each point's
-        start on an H200 host, drawn one after another).
+        `normal_draws` (on a CPU in parallel: drawn one after another, gpt2-xl's 1.56 G values took
+        12-16 s of each point's start, benchmarks/results/NVIDIA-H200/README.md).
         """
         tokens = self.transformer.wte.weight
         draws = []

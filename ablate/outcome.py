@@ -86,7 +86,7 @@ def predicted(spec: RunSpec) -> Prediction | None:
 def _over_the_host(spec: RunSpec, prediction: Prediction | None, gpu_mib: float | None) -> str | None:
     """An oom's reason for a point that would train in host memory (a CPU) and is predicted to need
     more of it than the host has free (a GPU preset without scale=cpu: gpt2-large's 22 GiB on a
-    23 GiB VM); None when it fits or cannot be told. Not run: on a CPU nothing caps the allocator,
+    host of 23 GiB); None when it fits or cannot be told. Not run: on a CPU nothing caps the allocator,
     so the kernel's OOM killer would pick a process, perhaps not this point's."""
     on_host = spec.device == "cpu" or (spec.device == "auto" and not gpu_mib)
     free = host_free_mib() if on_host and prediction else None

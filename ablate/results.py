@@ -1,4 +1,4 @@
-"""result.json: the contract between a run and analysis/ (../shared/DESIGN.md, "The result contract").
+"""result.json: the contract between a run and analysis/ (docs/architecture.md, "The result contract").
 
 Every field is present in every file; what could not be measured is null. Files are written
 atomically, so a reader never sees half a result.

@@ -38,9 +38,9 @@ def evaluate(model: nn.Module, data: TokenData, batch_size: int, t: Techniques,
 
     Each batch runs in the training's micro-batches: eval holds what a micro-step held, without
     its saved activations, so a point that trained on the card also evaluates on it. (A whole
-    batch at once, 512 x 1024 tokens of gpt2, made 130 GB of logits on an H200.) A compiled model
-    runs eagerly here: eval mode without gradients is another graph, and compiling it took 11-15 s
-    on gpt2 (H200, 2026-11-26) for a few batches that run in well under one."""
+    batch at once, 512 x 1024 tokens of gpt2, made 130 GB of logits.) A compiled model runs eagerly
+    here: eval mode without gradients is another graph, and compiling it took 11-15 s on gpt2 for a
+    few batches that run in well under one. Both figures: benchmarks/results/NVIDIA-H200/README.md."""
     model.eval()
     total, count = 0.0, 0
     with torch.compiler.set_stance("force_eager"):

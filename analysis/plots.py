@@ -172,7 +172,7 @@ def all_plots(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Se
     return [p for p in (job() for job in plot_jobs(df, labels, out, bases)) if p is not None]
 
 
-# The figures that take longest over 1,000 runs (on the 2-core VM 2.1, 1.6 and 1.3 s, against 1.0 s
+# The figures that take longest over 1,000 runs (2.1, 1.6 and 1.3 s on a CPU, against 1.0 s
 # per Pareto plot and 0.5 s for the loss curves): drawn first when drawn side by side.
 SLOWEST = ("module_breakdown", "batch_scan", "breakdown")
 

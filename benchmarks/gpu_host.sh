@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU host without network, in a copy of this repository that carries .whl/ (made by
-# ../shared/device/wheels.sh): install the wheels beside the host's torch, run the named benchmarks
+# benchmarks/wheels.sh): install the wheels beside the host's torch, run the named benchmarks
 # (`gpu-tests` = pytest -m gpu, which also runs predict_check), then pack every report and every
 # result.json (and each oom_snapshot.pickle) into ONE archive, for hosts that hand back only a few files:
 #   ABLATE_GIT_SHA=<commit> bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest

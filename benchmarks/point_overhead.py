@@ -7,7 +7,7 @@ runs each command below `--repeats` times (5), one after another, each into an o
 and writes `<results>/<device>/point_overhead.md`: per command, the median of the process's wall
 time (this script's clock around `python -m ablate ...`), of its training (warm-up, traced and
 measured steps: timing.phases_s), the share of the wall outside training, and each phase of the
-worker. Issue 40's goal for the first command: under a quarter of the wall outside training.
+worker. The goal for the first command (GOAL): under a quarter of the wall outside training.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from pathlib import Path
 from bench import ROOT, device_dir
 
 COMMANDS = [
-    ["model=gpt2", "batch_size=2", "seq_len=32", "steps=2"],  # issue 40's first command
+    ["model=gpt2", "batch_size=2", "seq_len=32", "steps=2"],  # the first command of a new user
     ["model=gpt-nano", "steps=3", "device=cpu"],  # README's per-point cost at cluster scale
 ]
 TRAINING = ("warmup", "traced_step", "measured")
-GOAL = 0.25  # issue 40: less than a quarter of the wall time outside training
+GOAL = 0.25  # for the first command: less than a quarter of the wall time outside training
 
 
 def one_run(args: list[str], tree: Path) -> dict:

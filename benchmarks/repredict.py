@@ -1,5 +1,5 @@
 """Set recorded runs against the analytic memory model as it is now: per ok run of each
-benchmark's runs.csv, the measured peak, the prediction the run recorded, and today's.
+benchmark's runs.csv, the measured peak, the prediction the run recorded, and the current model's.
 
     python benchmarks/repredict.py benchmarks/results/<device>   ->  benchmarks/results/<device>/repredict.md
 

@@ -1,12 +1,12 @@
 """Workers started before their point is known, so that their imports lie off the points' path.
 
-A worker's start is mostly imports: torch and MemTracker's (torch.distributed._tools), 2.3 s on
-the 2-core VM and 4.6-7.1 s on an H200's host (2026-11-26). So a worker command is started with
-`--wait` after it and no point: it imports, then blocks on stdin, its output thrown away. A launch
-of the same command and environment `take`s it and sends it the point's arguments and log file;
-only what is left of its start-up lies on the point's path. The process is as fresh as one started
-then: nothing runs in it before the go, so its memory figures are the point's alone, and from the go
-on its output goes to the point's worker.log.
+A worker's start is mostly imports: torch and MemTracker's (torch.distributed._tools), 2.3 s on a
+CPU-only host and 4.6-7.1 s on a GPU host (benchmarks/results/NVIDIA-H200/README.md). So a worker
+command is started with `--wait` after it and no point: it imports, then blocks on stdin, its output
+thrown away. A launch of the same command and environment `take`s it and sends it the point's
+arguments and log file; only what is left of its start-up lies on the point's path. The process is
+as fresh as one started then: nothing runs in it before the go, so its memory figures are the
+point's alone, and from the go on its output goes to the point's worker.log.
 
 Two moments start one (`prestart`): the job, as soon as it has a point, while it validates and
 predicts (the sweep's first point, or one whose command or environment differs from the last);

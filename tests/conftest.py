@@ -14,9 +14,8 @@ def pytest_configure(config) -> None:
     """Under pytest-xdist (`make test` runs `-n auto`), each worker and the processes its tests start
     get a share of the cores for torch's threads, unless OMP_NUM_THREADS says otherwise: torch's
     OpenMP threads spin while they wait, so two workers with a thread per core each fight over the
-    cores. Measured on the 2-core VM (the default suite of 887 tests): one process 938 s; two workers
-    with two threads each 939 s; two workers with one thread each, the 798 tests of today's default
-    suite in 394 s against 604 s in one process."""
+    cores. Measured on two cores, a default suite of 887 tests: one process 938 s, two workers with
+    two threads each 939 s; of 798 tests: two workers with one thread each 394 s, one process 604 s."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

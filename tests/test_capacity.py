@@ -58,7 +58,7 @@ def test_a_guess_changes_how_many_probes_the_search_takes_never_its_answer(batch
 
 def test_the_cap_names_the_gpu_by_index(monkeypatch):
     """The worker's device is a plain torch.device("cuda"); torch's cap refuses that ("Expected a
-    torch.device with a specified index", as it did on an H100), so the limit passes the current
+    torch.device with a specified index"), so the limit passes the current
     GPU's index. torch's own index check stands in for the GPU here."""
     import torch
     from torch.cuda._utils import _get_device_index
@@ -252,8 +252,8 @@ def test_a_plan_with_a_capacity_stops_its_batch_scan_where_the_run_would(tmp_pat
 
 
 def test_a_cpu_point_predicted_past_the_hosts_free_memory_is_an_oom_that_never_ran(tmp_path, monkeypatch):
-    """A GPU preset started on a CPU without scale=cpu (gpt2-large: 22 GiB predicted on a 23 GiB
-    VM) is not left to the kernel's OOM killer: its row is an oom by prediction, rerun later.
+    """A GPU preset started on a CPU without scale=cpu (gpt2-large: 22 GiB predicted on a host of
+    23 GiB) is not left to the kernel's OOM killer: its row is an oom by prediction, rerun later.
     Each rank of a multi-process CPU point counts."""
     import io
 

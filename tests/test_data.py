@@ -110,7 +110,8 @@ def test_eval_is_bounded_by_eval_steps_and_off_at_zero():
 def test_eval_runs_the_training_micro_batches_and_a_compiled_model_eagerly():
     """Eval holds a micro-step's memory, not the whole batch's: with accumulation x2 a batch of 4
     goes through the model as two of 2, and its mean loss is the whole batch's. A compiled model
-    is not compiled again for eval mode (11-15 s on gpt2 on an H200): it runs eagerly."""
+    is not compiled again for eval mode (11-15 s on gpt2: benchmarks/results/NVIDIA-H200/README.md):
+    it runs eagerly."""
     from ablate.build import check_config
     from ablate.train import evaluate
 

@@ -91,7 +91,7 @@ def test_a_token_counts_the_experts_it_is_routed_through():
     """PaLM's N (flops_params, for MFU) is what a token multiplies by: of a mixture of experts,
     num_experts_per_tok of its experts. Mixtral 8x7B's card: 12.9B of its 46.7B parameters (the
     embedding, a lookup, among them); OLMoE's: 1.3B of 6.92B; Qwen3 30B-A3B's: 3.3B (3.35B) of 30.5B. Recompute shares (HFU) count experts alike: the MoE block
-    holds no Linear, so before this its recompute counted as nothing."""
+    holds no Linear, so without this its recompute would count as nothing."""
     from ablate.techniques.checkpoint import Sublayer
 
     family = instantiate(compose_config(["model=mixtral-8x7b"])["model"])
@@ -420,7 +420,7 @@ def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_family_survey_finds_what_this_session_mended(tmp_path):
+def test_the_family_survey_trains_apertus_and_afmoe_whole_and_refuses_gemma3(tmp_path):
     """benchmarks/hf_families.py on four families: Apertus (constants set in __init__) and AFMoE (a
     frozen router bias) train whole, recompute included; Gemma 3 (multimodal) is refused by name."""
     out = subprocess.run([sys.executable, "benchmarks/hf_families.py", "--only", "llama,apertus,afmoe,gemma3",

@@ -1,4 +1,4 @@
-"""Issue 40: what a new user meets in the first hour. The conventions a Python CLI user expects
+"""What a new user meets in the first hour: the conventions a Python CLI user expects
 (console scripts, exit statuses, shell completion), the libraries every technique needs installed
 with ablate, and a SLURM start that fails where a script can see it."""
 from __future__ import annotations
@@ -100,8 +100,8 @@ def test_a_plan_for_an_unnamed_device_on_a_cpu_host_says_it_plans_for_a_gpu(tmp_
 
 
 def test_importing_torchao_through_ablate_prints_no_developer_warnings():
-    """Every worker that used torchao printed torch's deprecation of its Enum registrations and
-    torchao's prebuilt kernels for another Python: noise in each point's console lines."""
+    """Torch's deprecation of torchao's Enum registrations and torchao's prebuilt kernels for another
+    Python would print in every worker that uses torchao: noise in each point's console lines."""
     code = "import ablate, torchao, torchao.optim, torchao.float8"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -247,9 +247,9 @@ def test_points_per_gpu_runs_a_sweeps_points_side_by_side_on_one_gpu(tmp_path):
 
 
 def test_a_job_unpickles_its_launcher_where_ablate_is_not_installed(tmp_path):
-    """A pool job unpickles the launcher in a fresh process. On the GPU host the checkout runs from
-    PYTHONPATH, not installed, and every job of the first pool sweep there (2026-11-26) ended on
-    `No module named 'hydra_plugins.ablate_launcher'` before it started. `python -S` here: the
+    """A pool job unpickles the launcher in a fresh process. On a GPU host without network the
+    checkout runs from PYTHONPATH, not installed, where a job that cannot find the plugin ends on
+    `No module named 'hydra_plugins.ablate_launcher'` before it starts. `python -S` here: the
     packages on PYTHONPATH as there, without the editable install's finder (a .pth file)."""
     import sysconfig
 
@@ -296,7 +296,8 @@ def test_a_job_that_left_no_result_is_a_row_naming_why(tmp_path):
 def test_a_pool_sweep_runs_from_a_checkout_that_is_not_installed(tmp_path):
     """The GPU host's set-up, end to end: a Python that has the packages but not ablate's install
     (a venv whose site-packages names this one's in a .pth: no editable finder), the checkout on
-    PYTHONPATH. At 487d578 both points were `error` rows, as all 16 of predict_check's on the H200."""
+    PYTHONPATH. Without the launcher pickled through `launch`, both points would be `error` rows, as
+    predict_check's 16 were (benchmarks/results/NVIDIA-H200/README.md)."""
     import sysconfig
 
     bare = tmp_path / "venv"

@@ -26,7 +26,8 @@ def test_analytic_peak_is_within_10_percent_of_the_allocators(tmp_path):
     if not torch.cuda.is_available():
         pytest.fail("the gpu marker was selected on a machine without CUDA")
     # Four points at once on the GPU: memory is all this compares, and each process's allocator
-    # peaks are its own (one at a time, its 16 points took 179 s of the H200's 298 s of GPU tests).
+    # peaks are its own (one at a time, its 16 points took 179 s of 298 s of GPU tests:
+    # benchmarks/results/NVIDIA-H200/README.md).
     out = subprocess.run([sys.executable, "benchmarks/predict_check.py", "--sweep-dir", str(tmp_path / "sweep"),
                           f"out_dir={tmp_path}", "device=cuda", "hydra.launcher.points_per_gpu=4"],
                          cwd=ROOT, capture_output=True, text=True, timeout=1800)

@@ -159,7 +159,7 @@ def test_the_fused_loss_refuses_fp16s_grad_scaler():
 
 
 @pytest.mark.slow
-def test_the_issues_gpt2_sweep_saves_the_logits(tmp_path):
+def test_a_chunked_loss_sweep_of_gpt2_saves_its_logits(tmp_path):
     """GPT-2's real vocabulary on CPU through the CLI: equal losses, and a peak lower by at least
     80% of the (4 x 256 x 50,257) fp32 logits (196 MiB)."""
     proc = run_cli(["-m", "loss=standard,chunked", "model=gpt2", "batch_size=4", "seq_len=256", "steps=2",

@@ -97,7 +97,8 @@ def test_each_panel_is_named_as_the_setting_table_names_its_run(point, tmp_path,
     df = load([run_dir])
     assert module_breakdown(df, varied(df), tmp_path) is not None
     assert len(titles) == 1 and titles[0].startswith("Baseline (batch size = 4)\npeak "), titles
-    # gpt2-xl's leanest combination on the H200 (2026-11-26): a one-line title ran into its neighbour's
+    # gpt2-xl's leanest combination (benchmarks/results/NVIDIA-H200/gpt2_xl_8gib.md): a one-line
+    # title would run into its neighbour's, so the name wraps within TITLE_WIDTH
     long = ("+ 8-bit AdamW + Pure bf16 + Block recompute + Activation offload + Chunked cross-entropy "
             "+ 8 GiB card (emulated) + Optimizer step in backward")
     monkeypatch.setattr(where, "setting_names", lambda df, *a: pd.Series(long, index=df.index))
@@ -212,8 +213,9 @@ def test_the_snapshot_records_a_compiled_step_under_compile(monkeypatch, tmp_pat
 
 def test_an_oom_in_the_traced_step_leaves_the_point_training_untraced(monkeypatch, tmp_path):
     """The traced step runs eagerly under MemTracker, and can hold more than the steps it looks
-    into (compile=true; torchao's compiled optimizer step: the H200's 4-bit gpt2-xl point on an
-    8 GiB card was an oom row from it, 2026-11-26). Its OOM no longer ends the point: the measured
+    into (compile=true; torchao's compiled optimizer step: the 4-bit gpt2-xl point on an 8 GiB card
+    ran out of memory in it, benchmarks/results/NVIDIA-H200/gpt2_xl_8gib.md). Its OOM does not end
+    the point: the measured
     steps run, the row says the breakdown is missing and why. (On a GPU the OOM is real; here it
     is raised where the tracer would have run.)"""
     from ablate import console, runner
@@ -234,7 +236,7 @@ def test_an_oom_in_the_traced_step_leaves_the_point_training_untraced(monkeypatc
     m = runner.metrics(spec, t, run, [{"peaks": run.peaks, "times_ms": run.times_ms, "host_peak_rss_mib": None,
                                        "init_peak_mib": None, "host": "h"}], None, None, None)
     assert m["traced_step_oom"] is True and m["breakdown_mib"] is None
-    # into result.json (the H200's 4-bit gpt2-xl row lost the flag there, 2026-11-26: not a contract key)
+    # into result.json: a contract key, or the row would lose the flag there
     row = results.make("r", "ok", None, {}, spec.to_config(), [], metrics=m)
     assert row["metrics"]["traced_step_oom"] is True and results.problem(row) is None
     assert results.problem({**row, "metrics": {**row["metrics"], "mfu": True}}) is not None  # a flag where a number goes

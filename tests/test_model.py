@@ -46,8 +46,9 @@ def test_a_model_on_meta_has_the_real_shapes_and_skips_the_initialisers():
 
 def test_init_draws_each_weight_once_with_gpt2s_stds_and_the_same_values_on_any_number_of_threads(monkeypatch):
     """The weights are drawn on torch's threads at once (one normal_ runs on one core: gpt2-xl's
-    build took 12-16 s of a point on an H200 host), so their values must not depend on the
-    threads or the order the draws finish in; the residual projections were drawn twice before."""
+    build took 12-16 s of a point, benchmarks/results/NVIDIA-H200/README.md), so their values must
+    not depend on the threads or the order the draws finish in; each weight, the residual
+    projections included, is drawn once."""
     cfg = GPTConfig(4, 2, 256, vocab_size=1000, block_size=64)
 
     def built(threads: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -133,8 +133,8 @@ def test_a_rank_oom_is_an_oom_row_naming_the_rank(tmp_path):
 
 
 def test_each_rank_gets_its_share_of_the_cpus_not_torchruns_one_thread(monkeypatch, tmp_path):
-    """torchrun sets OMP_NUM_THREADS=1 where it is unset, which left each rank's host work (the
-    initial draws, a CPU optimizer step under offload) on one core of a 16-core GPU host. The
+    """torchrun sets OMP_NUM_THREADS=1 where it is unset, which would leave each rank's host work
+    (the initial draws, a CPU optimizer step under offload) on one core of a many-core host. The
     launcher shares the CPUs out instead; a user's own setting stands."""
     import json
     import os

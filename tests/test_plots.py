@@ -151,8 +151,8 @@ def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_sever
     peaks = runs["peak_allocated_mib"]
     half = h100.assign(gpu_memory_gib=0.5)
     assert pareto._capacity(half, half, peaks) == (512.0, "OOM: 0.5 GiB card (emulated)")
-    # gpu_memory_gib=8,null: the OOMs came on the 8 GiB card, the other runs had the whole GPU (on
-    # the H200, 2026-11-26, the line sat just past the uncapped baseline, labelled as a capacity)
+    # gpu_memory_gib=8,null: the OOMs came on the 8 GiB card, the other runs had the whole GPU (the
+    # line sits at the card, not just past the uncapped baseline labelled as a capacity)
     mixed = h100.assign(gpu_memory_gib=[8.0, NAN] * 3)
     assert figure.card(mixed) is None
     assert pareto._capacity(mixed, mixed.iloc[::2], peaks) == (8192.0, "OOM: 8 GiB card (emulated)")
@@ -160,8 +160,8 @@ def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_sever
 
 
 def test_several_oom_names_under_the_red_x_stay_apart():
-    """Each setting name's lines start with "+ ", so two OOMs' names ran together (the H200's
-    gpt2-xl page, 2026-11-26): each now starts with a bullet, its later lines indented."""
+    """Each setting name's lines start with "+ ", so two OOMs' names would run together: each starts
+    with a bullet, its later lines indented."""
     long = "+ 4-bit AdamW + Pure bf16 + Block recompute + Activation offload + Chunked cross-entropy"
     text = pareto._item(long, bullet=True).split("\n")
     assert text[0].startswith("• + 4-bit AdamW") and len(text) > 1 and all(t.startswith("  + ") for t in text[1:])
@@ -256,7 +256,7 @@ def test_runs_whose_option_lacks_a_labelled_key_stay_in_the_plots(runs):
     assert sorted(group["run_id"]) == ["adamw-fp32-8", "sgd-fp32-8"]
 
 
-# Plots past a handful of points (issue 40): a technique sweep of 2, 10 and 30 runs on an 8 GiB card,
+# Plots past a handful of points: a technique sweep of 2, 10 and 30 runs on an 8 GiB card,
 # each plot drawn once (module-scoped), its PNG read back and every text it shows measured.
 
 CARD_MIB = 8192.0

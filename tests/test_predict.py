@@ -148,10 +148,11 @@ def test_predict_rejects_an_unknown_method():
 def test_a_compiled_cuda_step_drops_the_eager_losss_fp32_tensors(vocab, per_logit, pad):
     """compile=true on CUDA: the fused loss keeps no fp32 copy or log-softmax. Against the eager
     step, the peak (in the loss's backward) drops by 4 bytes per logit in bf16 where inductor pads
-    the misaligned vocabulary for the head's matmuls, by 6 where it need not; the H200's gpt2 rows
-    check the first (tests/test_predict_records.py). A head padded to 50,304 rows (pad_vocab_to=64)
-    is aligned: no pad_mm copy, as the padded vocabulary (inferred from inductor's CPU code for the
-    sliced loss). On a CPU, whose rows report the eagerly traced step, compile changes nothing."""
+    the misaligned vocabulary for the head's matmuls, by 6 where it need not; the gpt2 rows of
+    benchmarks/results/NVIDIA-H200/ check the first (tests/test_predict_records.py). A head padded
+    to 50,304 rows (pad_vocab_to=64) is aligned: no pad_mm copy, as the padded vocabulary (inferred
+    from inductor's CPU code for the sliced loss). On a CPU, whose rows report the eagerly traced
+    step, compile changes nothing."""
     base = ["model=gpt2", f"model.vocab_size={vocab}", f"model.pad_vocab_to={pad}", "precision=bf16", "batch_size=8",
             "seq_len=1024"]
     logits = 8 * 1024 * vocab
@@ -165,9 +166,10 @@ def test_fp32_grouped_query_attention_on_cuda_keeps_sdpas_math_backends_probabil
     """On CUDA, SDPA with grouped-query heads in fp32 has no fused kernel (flash and cuDNN take
     16-bit, the memory-efficient kernel no grouped heads): the math backend keeps the softmax's
     (B, heads, T, T) output and q, k, v widened to every head, in place of the log-sum-exp. The
-    H200's fp32 Mixtral row measured it (5.9% over the fused-kernel figure, now +0.5%:
-    tests/test_predict_records.py). Nothing changes in 16-bit, without grouped heads, or on a CPU,
-    whose flash kernel takes fp32 and grouped heads. Sizes: the H200's Mixtral, 4 x 512 tokens."""
+    fp32 Mixtral row of benchmarks/results/NVIDIA-H200/moe.md measured it (5.9% over the fused-kernel
+    figure, +0.5% with the math backend: tests/test_predict_records.py). Nothing changes in 16-bit,
+    without grouped heads, or on a CPU, whose flash kernel takes fp32 and grouped heads. Sizes: that
+    row's Mixtral, 4 x 512 tokens."""
     from ablate.predict.layers import arch_of, layer_saves, math_sdpa
     from ablate.techniques import checkpoint as ckpt
 

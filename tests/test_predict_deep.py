@@ -1,5 +1,6 @@
 """Deep models: counting and the analytic predictor read a sample of two layers, not every layer
-(Family.layout), and give exactly what the whole meta model gives (issue 39, item 6)."""
+(Family.layout), and give exactly what the whole meta model gives; a model whose layers are not
+all alike, or whose optimizer groups do not follow its order, is built whole."""
 from __future__ import annotations
 
 import functools
@@ -114,7 +115,7 @@ def test_counts_from_a_sample_are_the_whole_models(name, monkeypatch):
 def test_a_10000_layer_prediction_builds_three_blocks(monkeypatch):
     """The analytic prediction's cost is linear in the layers: the meta model it reads has two
     blocks whatever n_layer says (plus a one-block sample, which shows that nothing outside the
-    layers grows with them), where building all 10,000 took 20 s on a 2-core CPU."""
+    layers grows with them), where building all 10,000 took 20 s."""
     built = []
     init = gpt_model.Block.__init__
     monkeypatch.setattr(gpt_model.Block, "__init__", lambda self, cfg: (built.append(cfg.n_layer), init(self, cfg))[1])

@@ -23,7 +23,8 @@ KNOWN = {
     # logits go before the next slice's were made (ablate/techniques/loss.py _slice_loss): then
     # 10 instead of 8 bytes per slice logit were alive, 98 MiB at this size (the 8-bit row's whole
     # -1.4%). The other 98 MiB: its traced step ran out of memory, so the row has no breakdown to
-    # say (gpt2_xl_8gib.md, session 3). To be measured again.
+    # say (benchmarks/results/NVIDIA-H200/gpt2_xl_8gib.md, the gpt2_xl_8gib_session3 runs). To be
+    # measured again.
     "NVIDIA-H200/gpt2_xl_8gib_session3": 0.035,
     # gpt2 at micro-batch 64 x 1024, bf16 autocast, loss=fused, compile=true, -4.3% (1,212 MiB):
     # measured before the same mend, which is 785 MiB at this size (2 bytes per logit of one
@@ -48,5 +49,6 @@ def test_every_recorded_gpu_run_is_predicted_within_2_percent(runs_csv):
 
 
 def test_there_are_gpu_records_to_check():
-    assert len(RECORDS) >= 4  # predict_check, leanest, the batch scan, the ladder (an H100, 2026-11-22)
+    # predict_check, leanest, the batch scan, the ladder (benchmarks/results/NVIDIA-H100-80GB-HBM3/)
+    assert len(RECORDS) >= 4
 

@@ -120,8 +120,9 @@ def test_leanest_is_a_fraction_of_the_baseline(plan):
 
 
 def test_leanest_trains_gpt2_xl_with_an_adamw_class_optimizer_in_6_gib():
-    """Issue 38's goal, planned on a CPU: gpt2-xl at batch 8 x seq 1024 under 6 GiB with 4-bit
-    AdamW states (not Adafactor, whose loss was 30% worse on 2026-11-22)."""
+    """The leanest preset's goal, planned on a CPU: gpt2-xl at batch 8 x seq 1024 under 6 GiB with
+    4-bit AdamW states (not Adafactor, whose loss was 30% worse: benchmarks/results/
+    NVIDIA-H100-80GB-HBM3/leanest.md)."""
     from omegaconf import OmegaConf
 
     from ablate.predict.analytic import analytic
@@ -177,7 +178,7 @@ def test_batch_scan_benchmark_on_a_cpu(tmp_path):
 @pytest.mark.parametrize("preset", ["single_gpu_techniques", "leanest", "layer_recompute", "gpt2_throughput"])
 def test_preset_benchmark_on_a_cpu(preset, tmp_path):
     # benchmarks/leanest.py adds model=gpt2-large,gpt2-xl: at scale=cpu's width, 12 points of 36 and
-    # 48 layers (15 minutes on the 2-core VM); the nano model keeps it to the preset's 6 points.
+    # 48 layers (15 minutes on a CPU); the nano model keeps it to the preset's 6 points.
     md = bench(preset, tmp_path, *(["model=gpt-nano"] if preset == "leanest" else []))
     assert "## Setting" in md or "## All runs" in md
 

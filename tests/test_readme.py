@@ -1,6 +1,6 @@
 """README.md does what it says: each command of its tour runs as written (the GPU-sized one as a
 plan, with predict_only=true added), and each table it prints from a plan is the table the tool
-prints today. The measured tables it shows come from recorded pages (benchmarks/results/), whose
+prints. The measured tables it shows come from recorded pages (benchmarks/results/), whose
 figures it must match."""
 from __future__ import annotations
 

@@ -176,9 +176,10 @@ def test_a_grid_without_a_do_nothing_option_is_compared_with_the_groups_referenc
 
 
 def test_a_value_never_paired_and_never_failing_gets_no_marginal_row(tmp_path):
-    """`optimizer.lr=1e-3,3e-4` never runs the default 6e-4: a row "1e-3 against 6e-4, 0 pairs"
-    says nothing (the H200's MoE report had them for model.config keys set away from their file's
-    values). An unpaired value that failed keeps its row: its "Not ok" is the finding."""
+    """`optimizer.lr=1e-3,3e-4` never runs the default 6e-4: a row "1e-3 against 6e-4, 0 pairs" says
+    nothing (a report of MoE models with model.config keys set away from their file's values would
+    have them: benchmarks/results/NVIDIA-H200/moe.md). An unpaired value that failed keeps its row:
+    its "Not ok" is the finding."""
     for lr in (1e-3, 3e-4):
         for ckpt in ("none", "block"):
             _write(tmp_path, f"{lr}-{ckpt}", peak=100 / (2 if ckpt == "block" else 1), latency=10.0,
@@ -214,8 +215,8 @@ def test_baseline_option_narrows_the_runs_and_the_usual_rule_picks_among_them(tm
 
 def test_baseline_values_match_as_the_command_line_spells_them(tmp_path):
     """`gpu_memory_gib=8,null` loads as a float column (8.0, NaN): `--baseline gpu_memory_gib=null`
-    and `=8` find those runs (on the H200's gpt2-xl runs, 2026-11-26, null crashed the report with a
-    TypeError sorting NaN among text, and 8 matched nothing), and a miss lists the values as typed."""
+    and `=8` find those runs (not a TypeError from sorting NaN among text for null, nor no match for
+    8), and a miss lists the values as typed."""
     _write(tmp_path, "capped", status="oom", reason="CUDA out of memory", config={"gpu_memory_gib": 8})
     _write(tmp_path, "whole", peak=9000, latency=10.0, config={"gpu_memory_gib": None})
     _write(tmp_path, "lean", peak=6000, latency=4.0, optimizer="sgd", config={"gpu_memory_gib": 8, "compile": True})

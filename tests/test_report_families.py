@@ -1,6 +1,6 @@
-"""What a report compares and says it is of (issue 40, items 3, 4 and 6): comparable families with
-a baseline each, a time delta inside the runs' own spread marked as noise, a header naming the
-device, torch, commit, date and command, and a CPU's memory column named for what it is."""
+"""What a report compares and says it is of: comparable families with a baseline each, a time delta
+inside the runs' own spread marked as noise, a header naming the device, torch, commit, date and
+command, and a CPU's memory column named for what it is."""
 from __future__ import annotations
 
 import pandas as pd
@@ -50,8 +50,9 @@ def _firsts(md: str, heading: str) -> list[str]:
 
 
 def test_runs_that_differ_in_shape_or_length_get_a_table_and_baseline_each(tmp_path):
-    """The issue's report: a demo sweep (vocab 512, seq 64, 200 steps) beside a default run (seq 32,
-    3 steps) labelled a row "+ seq len = 64 + steps = 200 + model.vocab_size=512 | −94.7%"."""
+    """A demo sweep (vocab 512, seq 64, 200 steps) beside a default run (seq 32, 3 steps): two
+    families, a table and baseline each, not one table with a row "+ seq len = 64 + steps = 200 +
+    model.vocab_size=512 | −94.7%"."""
     demo = _sweep(tmp_path / "runs", "demo", ["experiment=demo", "optimizer=adamw,sgd"])
     _run(demo, "a", steps=200)
     _run(demo, "s", steps=200, peak=80.0, optimizer="sgd")
@@ -254,9 +255,10 @@ def test_a_presets_rungs_keep_their_order_in_the_setting_table(tmp_path):
 
 
 def test_a_family_of_a_whole_model_config_gets_a_plot_file_the_file_system_takes():
-    """Two MoE models with their configs overridden (the H200's Mixtral and OLMoE rows, 2026-11-26)
-    are families named by the whole model.config: the plot's file name was 420 characters, and the
-    report failed with "File name too long". Now long names are cut and end in a hash of the family."""
+    """Two MoE models with their configs overridden (Mixtral and OLMoE, as in
+    benchmarks/results/NVIDIA-H200/moe.md) are families named by the whole model.config: a plot's
+    file name of 420 characters fails with "File name too long", so long names are cut and end in
+    a hash of the family."""
     config = ", ".join(f"'key_{i}': {i}" for i in range(40))
     one, two = (f"model=mixtral-8x7b, model.config={{{config}, 'experts': {n}}}" for n in (4, 8))
     names = [family_file("breakdown", f) for f in (one, two)]
@@ -266,10 +268,10 @@ def test_a_family_of_a_whole_model_config_gets_a_plot_file_the_file_system_takes
 
 
 def test_two_models_with_overridden_configs_are_named_by_the_keys_set_not_by_whole_configs(tmp_path):
-    """The H200's MoE rows (2026-11-26): Mixtral with model.config.hidden_size=1024 and friends
-    beside OLMoE. model.config was one column holding each transformers config whole, and each
-    family's title (and each plot's title, 6,000 pixels wide) held all of it. Each key is a column
-    now; a key shows where it varies and some run set it away from its model's default."""
+    """MoE rows as in benchmarks/results/NVIDIA-H200/moe.md: Mixtral with model.config.hidden_size=1024
+    and friends beside OLMoE. As one column holding each transformers config whole, model.config
+    would put all of it in each family's title (and each plot's title, 6,000 pixels wide). Each key
+    is a column; a key shows where it varies and some run set it away from its model's default."""
     from ablate.schema import option_defaults
 
     for model, changed in (("mixtral-8x7b", {"hidden_size": 1024, "intermediate_size": 2048}),

@@ -39,12 +39,12 @@ CPU_ONLY = {
     ("single_gpu_techniques", "offload=activations rung=9"): 0,
     # A CPU row's peak is its traced step's, which runs eagerly (MemTracker cannot follow compiled
     # code), so its prediction plays the eager loss; on a GPU the compiled loss keeps no fp32 logits
-    # or log-softmax (-21% here; -21% measured on an H200).
+    # or log-softmax (-21% here; -21% measured: benchmarks/results/NVIDIA-H200/README.md).
     ("gpt2_throughput", "compile=true precision=bf16"): 0,
 }
-# Points that do not run on a CPU at scale=cpu: (preset, point) -> words of their reason. None
-# today (fit_llama_1b's in-backward rungs were, until find_batch searched only the micro-batches a
-# point can run at).
+# Points that do not run on a CPU at scale=cpu: (preset, point) -> words of their reason. None:
+# find_batch searches only the micro-batches a point can run at, so fit_llama_1b's in-backward
+# rungs run too.
 NOT_RUN: dict[tuple[str, str], str] = {}
 
 # Presets whose CPU runs have no traced peak: FSDP1 wraps parameters in flat views that MemTracker
@@ -245,10 +245,10 @@ def test_scale_cpu_predicts_every_technique_as_on_a_gpu(preset, gpu_plan, tmp_pa
 
 @pytest.mark.slow
 def test_single_gpu_techniques_run_at_scale_cpu_point_as_on_a_gpu(gpu_plan, tmp_path):
-    """The preset the issue measured, run at scale=cpu with its ladder cut to the baseline and the
-    issue's two techniques, plus 8-bit AdamW (the GPU's smallest saving, -3.5%): each traced peak
-    points as the GPU plan's. (With the header's former `model=gpt-nano seq_len=32 steps=3`, block
-    recompute saved 1.2% and the step in backward nothing.) The whole ladder runs in the slow test."""
+    """single_gpu_techniques run at scale=cpu with its ladder cut to the baseline, block recompute
+    and the step in backward, plus 8-bit AdamW (the GPU's smallest saving, -3.5%): each traced peak
+    points as the GPU plan's. (At `model=gpt-nano seq_len=32 steps=3` block recompute saves 1.2% and
+    the step in backward nothing: too small to show.) The whole ladder runs in the slow test."""
     rungs = "[{},{checkpoint:block},{optimizer.in_backward:true},{optimizer:adamw8bit}]"
     gpu, cpu = side_by_side("single_gpu_techniques", gpu_plan, tmp_path, "scale=cpu",
                             f"hydra.sweeper.rungs={rungs}")

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 class _Portable:
     """Pickled by name through `launch`: a job unpickles its launcher in a fresh process, where
     `hydra_plugins.ablate_launcher` imports only once launch/__init__.py has named its folder. A
-    checkout run from PYTHONPATH without an install (the GPU host, 2026-11-26) otherwise failed
-    every pool job on `No module named 'hydra_plugins.ablate_launcher'` before it started."""
+    checkout run from PYTHONPATH without an install (a GPU host without network) would otherwise
+    fail every pool job on `No module named 'hydra_plugins.ablate_launcher'` before it started."""
 
     def __reduce__(self):
         return rebuild_launcher, (type(self).__name__, self.__dict__)

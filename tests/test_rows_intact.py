@@ -1,7 +1,9 @@
-"""The first chaos pass's defects, one test each: no fault and no input loses or corrupts a row.
+"""No fault and no input loses or corrupts a row: a result.json that parses but lacks fields, an
+invalid row mended and rerun, two sweeps into one directory (the claim), a full disk, an unknown
+experiment or a config that cannot mean what it says, and errors that name what is wrong.
 
-Through the real CLI where the defect was in the CLI's path (a rerun, two sweeps at once, a full
-disk), in process where a function decides (the validator, the config checks, the report)."""
+Through the real CLI where the CLI's path decides (a rerun, two sweeps at once, a full disk), in
+process where a function decides (the validator, the config checks, the report)."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,52 @@
+"""ablate/measure.py: step-time percentiles, and the traced step's memory by category (params,
+grads, optimizer states, activations), frozen parameters included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ablate.measure import percentiles, traced_step
+
+
+def test_percentiles():
+    p = percentiles([float(x) for x in range(1, 12)])
+    assert (p["iter_time_ms"], p["iter_time_ms_p10"], p["iter_time_ms_p90"]) == (6.0, 2.0, 10.0)
+    assert percentiles([])["iter_time_ms"] is None
+
+
+def test_breakdown_categories_on_cpu():
+    model = torch.nn.Linear(256, 256, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        model(torch.randn(64, 256)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # states exist from here on
+    trace = traced_step(step, model, opt, torch.device("cpu"))
+    mib = 256 * 256 * 4 / 2**20
+    assert trace.at_peak["params"] == pytest.approx(mib) and trace.at_peak["optimizer"] >= 2 * mib
+    assert trace.peak_mib == pytest.approx(sum(trace.at_peak.values()))
+    # Once the step is over only the states are left: exp_avg, exp_avg_sq and a 4-byte fp32 step.
+    assert trace.after["optimizer"] * 2**20 == 2 * 256 * 256 * 4 + 4
+    assert trace.category_max["grads"] == pytest.approx(mib)
+    assert trace.category_max["activations"] >= 64 * 256 * 4 / 2**20  # the input saved for backward
+
+
+def test_a_frozen_parameter_is_traced_as_a_parameter_without_a_gradient():
+    """A parameter that needs no gradient (a mixture's router bias, as in AFMoE and ERNIE 4.5 MoE)
+    made MemTracker fail the step: torch refuses a gradient hook on it."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    model[1].bias.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    def step():
+        model(torch.randn(64, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    trace = traced_step(step, model, opt, torch.device("cpu"))
+    assert trace.category_max["params"] * 2**20 == 2 * (256 * 256 + 256) * 4
+    assert trace.category_max["grads"] * 2**20 == 2 * 256 * 256 * 4 + 256 * 4  # no gradient for the frozen bias
+    assert model[1].bias.grad is None and model[1].weight.grad is None  # hooks gone, step done
