@@ -1,7 +1,6 @@
 """Turn a resolved config into built objects. The order of composition is written once, here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,32 +8,32 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ablate.capacity import MemoryLimit
+from ablate.groups import TECHNIQUE_GROUPS  # noqa: F401  (tests and the predictor read it here too)
 from ablate.keytypes import check_types
 from ablate.models import Family
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid, Plan
 
-TECHNIQUE_GROUPS = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer", "loss")
-
-
-@dataclass
 class Techniques:
-    """The model family and one built option per technique group; the train loop sees only their
-    shared interface."""
+    """The model family and one built option per technique group (ablate/groups.py), each an
+    attribute named for its group (`t.optimizer`); the train loop sees only their shared interface."""
 
-    model: Family
-    precision: Any
-    accumulation: Any
-    checkpoint: Any
-    offload: Any
-    parallel: Any
-    optimizer: Any
-    loss: Any
+    def __init__(self, model: Family, **options: Any):
+        missing = [g for g in TECHNIQUE_GROUPS if g not in options]
+        if missing or len(options) != len(TECHNIQUE_GROUPS):
+            raise TypeError(f"Techniques takes one option per technique group {TECHNIQUE_GROUPS}; missing {missing}")
+        self.model = model
+        for group, option in options.items():
+            setattr(self, group, option)
 
     @classmethod
     def of(cls, spec: RunSpec) -> "Techniques":
         """Every option built anew from the spec's option nodes (options are stateful: a fresh set each time)."""
         return cls(**{group: instantiate(spec.groups[group]) for group in ("model", *TECHNIQUE_GROUPS)})
+
+    def options(self) -> dict[str, Any]:
+        """{group: its option}, technique groups in the order they are checked and built."""
+        return {group: getattr(self, group) for group in TECHNIQUE_GROUPS}
 
     def check(self, plan: Plan) -> None:
         """Raise Invalid for the first option that cannot run under `plan`."""

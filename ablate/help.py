@@ -9,7 +9,7 @@ import re
 import tokenize
 from dataclasses import fields
 
-from ablate.schema import CONF, GROUPS, OVERLAYS, Config, options
+from ablate.schema import CONF, GROUPS, OVERLAYS, RunKeys, options
 
 WIDTH = 110  # a line of the help, at most
 
@@ -43,9 +43,9 @@ def option_line(group: str, option: str) -> str:
 
 
 def run_key_lines() -> dict[str, str]:
-    """Each run key's comment in ablate/schema.py's Config: the one beside it, else the block above."""
-    source = inspect.getsource(Config)
-    names = {f.name for f in fields(Config)} - set(GROUPS)
+    """Each run key's comment in ablate/schema.py's RunKeys: the one beside it, else the block above."""
+    source = inspect.getsource(RunKeys)
+    names = {f.name for f in fields(RunKeys)}
     docs, above = {}, []
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     for i, tok in enumerate(tokens):

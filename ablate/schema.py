@@ -11,7 +11,7 @@ import functools
 import hashlib
 import math
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +19,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-GROUPS = ("model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss")
+from ablate.groups import GROUPS  # noqa: F401  (the registry: every group, declared once)
+
 # Groups of `# @package _global_` overlays over the whole config, not techniques (no result "choice"):
 # a preset (experiment=leanest), and a scale of any preset (scale=cpu), applied after it.
 OVERLAYS = ("experiment", "scale")
@@ -42,16 +43,8 @@ class Predict(str, Enum):
 
 
 @dataclass
-class Config:
-    model: Any = MISSING  # a family (ablate/models/): its keys are its class's, like every group's
-    data: Any = MISSING
-    optimizer: Any = MISSING
-    precision: Any = MISSING
-    accumulation: Any = MISSING
-    checkpoint: Any = MISSING
-    offload: Any = MISSING
-    parallel: Any = MISSING
-    loss: Any = MISSING
+class RunKeys:
+    """The run keys: what a point is run with, beside one option per group (Config)."""
 
     batch_size: int = 8  # samples per optimizer step per rank: the effective batch
     seq_len: int = 64  # tokens per sample
@@ -85,6 +78,13 @@ class Config:
     prune_margin: float = 0.1  # prune only above capacity x (1 + margin), as the prediction may be high
     find_batch: bool = False  # search the largest micro-batch that fits (accumulation keeps batch_size)
     rung: Optional[int] = None  # position in a ladder (hydra/sweeper=ladder sets it); the report orders by it
+
+
+# The whole config: the run keys, and a node per group of ablate/groups.py, each an option's
+# `_target_` node whose keys are its class's (checked by ablate/keytypes.py, not here).
+# The groups come first in `--cfg job` (a dataclass lists its bases' fields from the last base on).
+Config = make_dataclass("Config", [], bases=(RunKeys, make_dataclass("Groups", [(g, Any, field(default=MISSING))
+                                                                            for g in GROUPS])))
 
 
 def short_dirname(name: str, limit: int = 200) -> str:

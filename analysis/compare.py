@@ -7,17 +7,13 @@ import math
 
 import pandas as pd
 
+from ablate.groups import FALLBACK, OFF
 from ablate.schema import GROUPS, option_defaults
 from analysis.load import RUN_KEYS, flat, text
 
-# The do-nothing option of each group: a run's label lists only what differs from these.
-BASELINE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none",
-            "offload": "none", "parallel": "single", "loss": "standard"}
-# What a grid without a group's do-nothing option is compared against, in order of preference: a
-# `parallel=fsdp,ddp` sweep asks how FSDP does against DDP, a `precision=bf16,bf16_pure` one what
-# pure bf16 saves over AMP.
-FALLBACK = {"parallel": ("ddp",), "precision": ("tf32", "bf16"),
-            "optimizer": ("adamw_foreach", "adamw_fused", "adamw_forloop")}
+# The do-nothing option of each technique group: a run's label lists only what differs from these.
+# A grid without one is compared against the group's FALLBACK options (ablate/groups.py).
+BASELINE = OFF
 # Run keys whose null (or false) is the plain run: a sweep over them is measured against it.
 OFF_KEYS = ("compile", "alloc_conf", "gpu_memory_gib")
 

@@ -10,6 +10,7 @@ import pandas as pd
 import yaml
 
 from ablate import results
+from ablate.groups import OFF
 from ablate.results import ARTIFACTS, RESULT_FILE
 from ablate.schema import GROUPS
 
@@ -25,8 +26,8 @@ def result_files(paths: list[str | Path]) -> list[Path]:
     return files
 
 
-# What a result from before a group existed ran: its rows compare with the newer ones.
-LEGACY = {"loss": "standard"}
+# What a result from before a group existed ran, its do-nothing option: its rows compare with the newer ones.
+LEGACY = OFF
 
 
 def _row(result: dict, path: Path) -> dict:
@@ -85,7 +86,8 @@ def _sweep_task(sweep: Path) -> list[str] | None:
 def flat(options: dict, prefix: str = ""):
     """An option's keys, a mapping's own keys each in turn ("config.hidden_size": a model's
     transformers config is a mapping): a column per key that can differ, not one for the whole
-    config, which named a family by all of its keys (the H200's MoE report, 2026-11-26)."""
+    config, which named a family by all of its keys (MoE models with overridden configs, as in
+    benchmarks/results/NVIDIA-H200/moe.md)."""
     for key, value in options.items():
         if isinstance(value, dict) and value:
             yield from flat(value, f"{prefix}{key}.")

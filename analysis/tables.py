@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 
+from ablate.groups import REMOVABLE
 from ablate.schema import GROUPS
 from analysis.cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
                             spread, time_delta, within_noise)
@@ -33,9 +34,7 @@ NAMES = {
     ("parallel.sync_each_micro_step", "False"): "Gradient sync on the last micro-step only",
     ("parallel.sync_each_micro_step", "True"): "Gradient sync every micro-step",
 }
-# Groups whose do-nothing option is the absence of a technique: leaving one is a removal. An
-# optimizer or precision is always some option, so a row on another one reads "+ AdamW", a swap.
-REMOVABLE = ("accumulation", "checkpoint", "offload", "parallel", "loss")
+# Groups whose do-nothing option is the absence of a technique (leaving one is a removal): ablate/groups.py.
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'.
     A baseline away from a varied group's do-nothing option says so, 'Baseline (batch size = 8):

@@ -10,10 +10,10 @@ import pytest
 from hydra.utils import instantiate
 
 from ablate.build import check_config
-from ablate.schema import RUN_TYPES, options
+from ablate.schema import GROUPS, RUN_TYPES, options
 from helpers import ROOT, compose_config, compose_spec, results_under, run_cli
 
-# The result contract as ../shared/DESIGN.md writes it; results.py must produce exactly these keys
+# The result contract as docs/architecture.md lists it; results.py must produce exactly these keys
 # (ablate adds loss_floor: the synthetic data's entropy floor; compile_s; skipped_steps).
 TOP = {"schema", "run_id", "status", "reason", "choices", "config", "overrides", "metrics", "prediction",
        "env", "timing", "artifacts"}
@@ -24,7 +24,7 @@ METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_p
            "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch"}
 ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname", "git_sha", "python",
        "slurm_job_id", "cuda_visible_devices", "cpus", "cpu_threads"}
-CHOICES = {"model", "data", "optimizer", "precision", "accumulation", "checkpoint", "offload", "parallel", "loss"}
+CHOICES = set(GROUPS)  # one choice per group of the registry (ablate/groups.py)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ablate.model import on_meta
-from ablate.techniques import Option
+from ablate.techniques import Option, Unmodelled
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 SAMPLED = 2  # layers a sample is built with: a second layer shows whether the first repeats
-# Deeper is refused: the predictor lists every layer's parameters (linear: 1 s per 10,000 layers on
-# a 2-core CPU), so model.n_layer=999999999999 would stall it for days; trained models have hundreds.
+# Deeper is refused: the predictor lists every layer's parameters (linear: about 1 s per 10,000
+# layers), so model.n_layer=999999999999 would stall it for days; trained models have hundreds.
 MAX_LAYERS = 100_000
 
 
@@ -214,6 +214,13 @@ class Family(Option, abc.ABC):
     def load_weights(self, model: nn.Module) -> None:
         """Copy `init_from`'s weights into `model` in place; nothing without one."""
 
+    uses_transformers = False  # its model is a transformers one (the trace patches transformers' masking)
+
+    def arch(self):
+        """The sizes the analytic predictor's layer model reads (ablate/predict/layers.py `Arch`);
+        Unmodelled for a family whose layers it does not describe (predict=trace runs any)."""
+        raise Unmodelled(f"no analytic memory model for model family {type(self).__name__}")
+
     @property
     def n_layers(self) -> int | None:
         """How many decoder layers the model has; None where the family cannot say without building it."""
@@ -228,7 +235,7 @@ class Family(Option, abc.ABC):
     @property
     def meta_model(self) -> nn.Module:
         """The whole model on the meta device: shapes and names, no memory. Building it costs ~2 ms
-        per layer on a 2-core CPU (20 s for 10,000 GPT-2 blocks): counting and prediction read
+        per layer on a CPU (20 s for 10,000 GPT-2 blocks): counting and prediction read
         `layout` instead, which needs at most two layers."""
         if getattr(self, "_meta", None) is None:
             with on_meta():

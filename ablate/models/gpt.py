@@ -67,6 +67,13 @@ class GPT2(Family):
     def build(self) -> nn.Module:
         return GPT(self.config)
 
+    def arch(self):
+        from ablate.predict.layers import Arch
+
+        c = self.config
+        return Arch("gpt2", c.n_layer, c.n_embd, c.n_head, c.n_head, c.n_embd // c.n_head, 4 * c.n_embd,
+                    c.vocab_size, tied=True, head_rows=c.padded_vocab)
+
     @property
     def n_layers(self) -> int:
         return self.config.n_layer

@@ -251,6 +251,13 @@ class HFCausalLM(Family):
                           f"{str(e).splitlines()[0].split('. ')[0]} (valid: sdpa, eager)") from None
         return CausalLM(lm)
 
+    uses_transformers = True
+
+    def arch(self):
+        from ablate.predict.layers import hf_arch
+
+        return hf_arch(self.hf_config)
+
     @property
     def n_layers(self) -> int:
         return self.hf_config.num_hidden_layers

@@ -27,19 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from ablate.build import Techniques
 from ablate.predict import Prediction
 from ablate.predict.layers import Arch, arch_of, forward_temp, inner_temp, layer_saves, math_sdpa, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
-from ablate.techniques import checkpoint as ckpt
-from ablate.techniques import lowbit
-from ablate.techniques import optimizer as opt
-from ablate.techniques import parallel as par
-from ablate.techniques.offload import Activations, OptimizerState, Params
-from ablate.techniques.precision import FP8, fp8_sized
 
 MIB = 2**20
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -122,81 +114,10 @@ def _local_shape(shape: tuple, world: int) -> tuple:
     return (-(-shape[0] // world), *shape[1:])
 
 
-def _state_bytes(t: Techniques, shape: tuple, d: int, device: str) -> float:
-    """Optimizer state bytes on the training device for one parameter tensor of `shape` (its
-    shard under FSDP: torch keeps a DTensor parameter's states in its local shape)."""
-    o, numel = t.optimizer, math.prod(shape)
-    # torch keeps Adam/Adafactor's `step` as a 0-d fp32 tensor on the host unless fused: whole on
-    # every rank, one per parameter tensor.
-    step = 4 if device == "cpu" or getattr(o, "implementation", "") == "fused" else 0
-    if isinstance(o, opt.AdamW8bit):
-        if numel < o.min_8bit_size:
-            return 2 * numel * 4  # small tensors keep fp32 states
-        return 2 * numel + 2 * math.ceil(numel / 256) * 4  # uint8 states + one fp32 absmax per 256 values
-    if isinstance(o, lowbit.LowBitAdamW):
-        # torchao/optim/adam.py (_AdamBase): `step` is torch.tensor(0.0), a host fp32 tensor even on
-        # CUDA; _new_buffer quantises a tensor only if numel >= 4096 and numel % block_size == 0,
-        # else zeros_like(param). subclass_*.py: codes (4-bit packed two a byte), fp32 scales of
-        # numel // block_size, and for the integer formats each state's own fp32 qmap (16 or 256).
-        step = 4 if device == "cpu" else 0
-        if numel < 4096 or numel % o.block_size:
-            return 2 * numel * d + step
-        codes, qmap = {lowbit.AdamW4bit: (0.5, 16), lowbit.AdamW8bitAO: (1, 256), lowbit.AdamWFp8: (1, 0)}[type(o)]
-        return 2 * (numel * codes + numel // o.block_size * 4 + qmap * 4) + step
-    if isinstance(o, opt.AdamW):
-        return 2 * numel * d + step
-    if isinstance(o, opt.SGD):
-        return numel * d if o.momentum else 0
-    if isinstance(o, opt.Adafactor):
-        if len(shape) < 2:
-            return numel * d + step
-        rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
-        return (rows + cols) * d + step
-    raise Unmodelled(f"no memory model for optimizer option {type(o).__name__}")
-
-
-def _for_loop(groups: list[list[int]], d: int, per_tensor: int) -> float:
-    """Temporaries of a for-loop step: `per_tensor` tensor-sized ones for the current parameter,
-    plus the previous parameter's last one, which a loop variable keeps until reassigned."""
-    return max((prev + per_tensor * cur) * d for g in groups for prev, cur in zip([0, *g], g))
-
-
-def _step_temp_bytes(t: Techniques, groups: list[list[int]], d: int, device: str) -> float:
-    """Optimizer temporaries at their largest during the step (bytes)."""
-    o = t.optimizer
-    if isinstance(o, opt.AdamW8bit):
-        return 0.0  # one fused kernel per tensor
-    if isinstance(o, lowbit.LowBitAdamW):
-        if device == "cpu":
-            # What the traced step runs (and, on a CPU, all that is measured): torchao's step eagerly
-            # (MemTracker is a dispatch mode, which torch.compile refuses), 24 bytes/elem of fp32
-            # copies of the tensor being stepped, 28 with 16-bit parameters (their fp32 upcast), for
-            # every tensor, quantised or not; MemTracker saw exactly that with torch 2.13, torchao 0.18.
-            return max(n for g in groups for n in g) * (24 if d == 4 else 28)
-        # The compiled step, per quantised tensor: inductor's buffers in its generated code on a CPU
-        # (not yet checked on a GPU): 4-bit two unpacked uint8 codes, two fp32 updates and two int64
-        # code searches (26 bytes/elem); 8-bit two fp32 updates (8); fp8 two fp8 codes (2). Plain
-        # states update in place.
-        per = {lowbit.AdamW4bit: 26, lowbit.AdamW8bitAO: 8, lowbit.AdamWFp8: 2}[type(o)]
-        return max([n for g in groups for n in g if n >= 4096 and n % o.block_size == 0] or [0]) * per
-    if isinstance(o, opt.AdamW):
-        impl = o.implementation
-        if impl == "fused":
-            return 0.0
-        if impl == "foreach" or (impl == "default" and device == "cuda"):  # torch's default on CUDA
-            return max(sum(g) for g in groups) * d  # sqrt(exp_avg_sq) for a whole group at once
-        return _for_loop(groups, d, 2)  # sqrt(exp_avg_sq) and its quotient
-    if isinstance(o, opt.Adafactor):
-        return _for_loop(groups, d, 1)  # the row x col variance estimate, scaled in place
-    if isinstance(o, opt.SGD):
-        return _for_loop(groups, d, 1) if o.weight_decay else 0.0  # grad + wd * param
-    raise Unmodelled(f"no memory model for optimizer option {type(o).__name__}")
-
-
 def _fsdp(t: Techniques) -> bool:
     """Whether FSDP shards the parameters: a sharded parallel option, or offload=params (in one
     process, FSDP over a group of one rank)."""
-    return t.parallel.shards_params or isinstance(t.offload, Params)
+    return t.parallel.shards_params or t.offload.shards_params
 
 
 def _grad_bytes(t: Techniques) -> int:
@@ -214,21 +135,22 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
     world = max(p.world_size, 1) if p.shards_params else 1  # offload=params alone: FSDP over one rank
     local = {n: math.prod(_local_shape(s, world)) for n, s in sh.param_shapes.items()}
     # FSDP CPU offload: shards, their grads and states on the host (on a CPU, the host is the device)
-    offloaded = isinstance(t.offload, Params) and device != "cpu"
-    states = sum(_state_bytes(t, _local_shape(s, world), pd, device) for s in sh.param_shapes.values())
-    if isinstance(t.optimizer, opt.AdamW8bit) and max(local.values()) >= t.optimizer.min_8bit_size:
-        states += 2 * 256 * 4  # the two fp32 quantisation maps, shared by every 8-bit tensor
-    if offloaded or isinstance(t.offload, OptimizerState):
+    offloaded = t.offload.params_on_host and device != "cpu"
+    # The optimizer option's own model of its states (ablate/techniques/optimizer.py, lowbit.py), for
+    # each tensor's local shape: torch keeps a DTensor parameter's states in its shard's shape.
+    states = sum(t.optimizer.state_bytes(_local_shape(s, world), pd, device) for s in sh.param_shapes.values())
+    states += t.optimizer.shared_state_bytes(max(local.values()))
+    if offloaded or t.offload.states_on_host:
         states = 0.0
     grads = {n: numel * _grad_bytes(t) for n, numel in sh.param_numels.items()}
-    if isinstance(t.offload, OptimizerState) and t.offload.gradients:
+    if t.offload.grads_on_host:
         grads = dict.fromkeys(grads, 0.0)
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
     z = Sizes(params=0.0 if offloaded else sum(local.values()) * pd, grads=grads, states=states,
-              step_temp=0.0 if states == 0 else _step_temp_bytes(t, groups, pd, device),
-              other=(sum(sh.param_numels.values()) * pd if isinstance(p, par.DDP) else 0.0)  # DDP's buckets
+              step_temp=0.0 if states == 0 else t.optimizer.step_temp_bytes(groups, pd, device),
+              other=(sum(sh.param_numels.values()) * pd if p.ddp_buckets else 0.0)
               + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
-              grads_in_buckets=isinstance(p, par.DDP) and p.gradient_as_bucket_view)
+              grads_in_buckets=p.grads_in_buckets)
     if fsdp:
         reduce_d = 4 if t.precision.autocast_dtype else pd  # FSDP reduces in fp32 under autocast
 
@@ -252,21 +174,19 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
     # Autocast adds the residual stream in fp32, unless FSDP's mixed precision gathers the
     # embeddings in the compute dtype: then the stream is 16-bit too. CUDA autocast runs LayerNorm
     # in fp32, so there each LayerNorm keeps an fp32 copy of a 16-bit input (CPU autocast does not).
-    fsdp_mp = isinstance(t.parallel, (par.FSDP, par.FSDP1)) or isinstance(t.offload, Params)
+    fsdp_mp = t.parallel.fsdp_mixed_precision or t.offload.fsdp_mixed_precision
     z.r = z.c if fsdp_mp else BYTES[t.precision.param_dtype]
     # RMSNorm (llama) keeps an fp32 copy of any input.
     z.ln = 4 if sh.arch.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else z.r
     z.inner_temp = inner_temp(sh.arch, sh.sb, z.c, z.r, _grad_bytes(t))
     z.forward_temp = forward_temp(sh.arch, sh.sb, z.r)
-    part = t.checkpoint
-    z.recompute_with_mlp = not (isinstance(part, ckpt.Layers) or (isinstance(part, ckpt.Sublayer) and part.part == "attn"))
+    z.recompute_with_mlp = t.checkpoint.recompute_with_mlp
     z.mlp_saved = mlp_saves(sh.arch, sh.sb, z.r, z.c, z.ln)
     seq = sh.s if math_sdpa(sh.arch, device, z.c) else 0  # SDPA's math backend keeps (T, T) probabilities
     z.blocks = [layer_saves(sh.arch, t.checkpoint, i, sh.sb, z.r, z.c, z.ln, seq) for i in range(sh.layers)]
-    layer_stats = isinstance(t.checkpoint, ckpt.Layers) and "layernorm" in t.checkpoint.types
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's normalised input and rsqrt.
     final = sh.sbh * z.r + sh.sb * 4 if sh.arch.kind == "llama" else 2 * sh.sb * 4
-    z.ln_f_stats = 0 if layer_stats else final
+    z.ln_f_stats = 0 if t.checkpoint.recomputes_final_norm else final
     if sh.arch.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
         z.embed_temp = sh.sbh * z.r + sh.s * sh.h * z.r
     else:  # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
@@ -278,7 +198,7 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
         z.block_cast = (sum(sh.param_numels[n] for n in sh.linear_names) - _fp8_weights(t)) * z.c
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
         z.lm_head_cast = (sh.vocab if t.loss.from_hidden else sh.padded_vocab) * sh.h * z.c
-    z.offload_acts = isinstance(t.offload, Activations) and device != "cpu"  # else already on the host
+    z.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
     z.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
     z.micro_steps, z.in_backward = t.accumulation.steps, t.optimizer.in_backward
     # FSDP with mixed precision that keeps whole gradients over micro-steps sums them in fp32 (its
@@ -288,18 +208,27 @@ def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
 
 
 def _fp8_weights(t: Techniques) -> int:
-    """Elements of one layer's weights that precision=fp8 computes in float8: autocast casts no
-    bf16 copy of them (each is cast to fp8 per use, a transient a quarter of its fp32 size, and
-    its backward keeps the fp32 weight itself). Not yet measured on a GPU."""
-    if not isinstance(t.precision, FP8):
-        return 0
-    layer = t.model.adapter.layer_list(t.model.layout.model)[0]  # every layer's (a sample's layer 0 included)
-    return sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear) and fp8_sized(m))
+    """Elements of one layer's weights that the precision option computes in float8 (FP8's
+    fp8_weights: autocast casts no 16-bit copy of them)."""
+    return t.precision.fp8_weights(t.model.adapter.layer_list(t.model.layout.model)[0])  # every layer's
+
+
+# The groups whose options this model asks its questions of, each in its own terms (an optimizer its
+# state bytes, a checkpoint option what a layer keeps, ...). An option of any other group has told
+# it nothing: a point with one is predicted by the trace instead, never without that group's bytes.
+ASKED = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer", "loss")
+
+
+def _asked(t: Techniques) -> None:
+    for group, option in t.options().items():
+        if group not in ASKED:
+            raise Unmodelled(f"no analytic memory model for group {group} (option {type(option).__name__})")
 
 
 def analytic(spec: RunSpec) -> Prediction:
     """Predict one rank's device memory for a grid point (no torch allocation)."""
     t = Techniques.of(spec)
+    _asked(t)
     device = "cpu" if spec.device == "cpu" else "cuda"  # auto: the GPU the user plans on
     sh = _shapes(spec, t)
     z = _sizes(t, sh, device)

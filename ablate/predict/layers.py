@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ablate.predict.timeline import Unmodelled
-from ablate.techniques import checkpoint as ckpt
 
 # Mixtures of experts as transformers 5 writes them, and the config key of one expert's width
 MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe": "moe_intermediate_size",
@@ -59,14 +58,13 @@ class Arch:
 
 
 def arch_of(family) -> Arch:
-    """The sizes of a model option (ablate/models/); Unmodelled for a layout not described here."""
-    from ablate.models.gpt import GPT2
+    """The sizes of a model option (ablate/models/), as the family gives them (Family.arch);
+    Unmodelled for a layout not described here."""
+    return family.arch()
 
-    if isinstance(family, GPT2):
-        c = family.config
-        return Arch("gpt2", c.n_layer, c.n_embd, c.n_head, c.n_head, c.n_embd // c.n_head, 4 * c.n_embd,
-                    c.vocab_size, tied=True, head_rows=c.padded_vocab)
-    hf = getattr(family, "hf_config", None)
+
+def hf_arch(hf) -> Arch:
+    """The sizes of a transformers config `hf` whose layers this module describes; else Unmodelled."""
     kind = getattr(hf, "model_type", None)
     if kind in LLAMA_LIKE or kind == "gpt_neox":
         if "sliding_attention" in (getattr(hf, "layer_types", None) or ()):  # SDPA then takes a (T, T) mask
@@ -77,7 +75,7 @@ def arch_of(family) -> Arch:
                     getattr(hf, "num_key_value_heads", None) or heads,
                     getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
                     tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=QK_NORM.get(kind, ""), **sizes)
-    raise Unmodelled(f"no analytic memory model for model_type={kind or type(family).__name__}")
+    raise Unmodelled(f"no analytic memory model for model_type={kind}")
 
 
 def _moe_sizes(hf) -> dict:
@@ -115,24 +113,10 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, s
     keeps without recompute). Its input is the previous layer's output, counted there as r·sbh.
     `seq`: the sequence length where SDPA runs its math backend (`math_sdpa`), else 0."""
     full, parts = _full(a, sb, r, c, ln, seq)
-    if isinstance(option, ckpt.Blocks):  # only the layer input is kept, by the wrapper
-        return (0.0 if (index + 1) % option.every_n == 0 else full), full
-    if isinstance(option, ckpt.Sublayer):  # the sub-layer's input (a norm output) is kept
-        return full - (parts["attn"] if option.part == "attn" else parts["mlp"]), full
-    if isinstance(option, ckpt.SelectiveOps):
-        return parts["matmul"], full  # matmul and SDPA outputs kept; norms, adds, activations recomputed
-    if isinstance(option, ckpt.Layers):
-        saved = full
-        if "attention" in option.types:  # its insides recomputed; its input kept
-            saved -= parts["attn"]
-        if "layernorm" in option.types:  # what a norm keeps beyond its input
-            saved -= parts["norm"]
-            if "attention" not in option.types:  # Qwen3's q/k norms: wrapped inside attention only when it is not
-                saved -= parts.get("qk_norm", 0.0)
-        return saved, full  # a wrapped Linear or activation keeps exactly what it kept before
-    if isinstance(option, ckpt.NoCheckpoint):
-        return full, full
-    raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__}")
+    kept = getattr(option, "kept", None)
+    if kept is None:
+        raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__} (it has no kept())")
+    return kept(index, full, parts), full
 
 
 def mlp_saves(a: Arch, sb: int, r: int, c: int, ln: int) -> float:

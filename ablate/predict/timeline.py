@@ -11,15 +11,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ablate.predict.loss_play import LossPlay
+from ablate.techniques import Unmodelled  # noqa: F401  (the predictor's callers import it from here)
 
 if TYPE_CHECKING:
     from ablate.predict.analytic import Shapes
 
 KEYS = ("params", "grads", "optimizer", "activations", "other")  # the result contract's breakdown_mib keys
-
-
-class Unmodelled(Exception):
-    """An option the analytic model has no sizes for (a new option adds its sizes there)."""
 
 
 class Timeline:

@@ -22,13 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ablate import measure
 from ablate.build import Techniques, build_model, build_optimizer, check_config
-from ablate.models.hf import HFCausalLM
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
-from ablate.techniques import lowbit
-from ablate.techniques import optimizer as opt
 from ablate.techniques import parallel as par
-from ablate.techniques.offload import OptimizerState
 from ablate.train import train_step
 
 
@@ -43,11 +39,10 @@ def trace(spec: RunSpec) -> Prediction:
     t = check_config(spec)
     _check_traceable(t)
     device = _device(spec.device)
-    ddp = isinstance(t.parallel, par.DDP)
+    ddp = t.parallel.ddp_buckets
     if ddp:  # a DDP rank computes what a single process does; its gradient buckets are added below
         t.parallel = par.Single()
-    if isinstance(t.optimizer, lowbit.LowBitAdamW):  # torchao caches its quantisation tables for the process:
-        t.optimizer.make_tables()  # made here, of real values, not in fake mode of 1.0s
+    t.optimizer.before_trace()  # e.g. torchao's quantisation tables, cached for the process: of real values
     # allow_non_fake_inputs: a module that computes a constant in its __init__ (Apertus's xIELU:
     # log(expm1(0.8))) computes it on meta, as the model is built there, and the fake mode takes it
     # as a constant; refused, such a family had no trace at all.
@@ -99,10 +94,10 @@ def _check_traceable(t: Techniques) -> None:
                           f"this wrapper's parameters")
     if t.parallel.world_size < 1:
         raise Untraceable("parallel.nproc=auto: resolve the world size before tracing one rank of it")
-    if getattr(t.parallel, "gradient_as_bucket_view", False):
+    if t.parallel.grads_in_buckets:
         raise Untraceable("parallel.gradient_as_bucket_view=true: a single-process trace keeps whole "
                           "gradients that DDP would copy into its buckets")
-    if isinstance(t.offload, OptimizerState):
+    if t.offload.states_on_host:
         raise Untraceable("offload=optimizer: torchao's CPUOffloadOptimizer moves gradients with real "
                           "CUDA streams and events, which fake tensors cannot stand in for")
 
@@ -245,7 +240,7 @@ def _one_sequence_per_row(t: Techniques) -> Iterator[None]:
     take the groups (enable_gqa, is_causal): tensors the real step never makes. ablate passes no
     position ids (models/hf.py); the model makes its own, an arange per row: never packed.
     """
-    if not isinstance(t.model, HFCausalLM):
+    if not t.model.uses_transformers:
         yield
         return
     from transformers import masking_utils
@@ -259,11 +254,10 @@ def _one_sequence_per_row(t: Techniques) -> Iterator[None]:
 
 
 def _value_reads(t: Techniques) -> contextlib.AbstractContextManager:
-    """_ValueReads for the optimizers known to read values (Adafactor, the 8-bit and low-bit
-    AdamWs), nothing for the others: any other data-dependent read is a new case to look at, so it
-    still fails loudly."""
-    return _ValueReads() if isinstance(t.optimizer, (opt.Adafactor, opt.AdamW8bit, lowbit.LowBitAdamW)) \
-        else contextlib.nullcontext()
+    """_ValueReads for the optimizers that say they read values (`reads_values`: Adafactor, the
+    8-bit and low-bit AdamWs), nothing for the others: any other data-dependent read is a new case to
+    look at, so it still fails loudly."""
+    return _ValueReads() if t.optimizer.reads_values else contextlib.nullcontext()
 
 
 class _ValueReads(TorchDispatchMode):

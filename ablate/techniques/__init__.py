@@ -13,6 +13,13 @@ class Invalid(Exception):
     """This combination cannot run (the grid point becomes a row with status 'invalid')."""
 
 
+class Unmodelled(Exception):
+    """An option (or a whole group) the analytic predictor has no memory model for: the point is
+    predicted by the fake-tensor trace instead (ablate/outcome.py), never left out silently. An
+    option gives its model by answering the predictor's questions (its group's methods below and in
+    its module: an optimizer's state bytes, a checkpoint option's kept bytes, ...)."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """What an option may check itself against before anything is built."""

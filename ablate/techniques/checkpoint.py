@@ -31,9 +31,18 @@ class NoCheckpoint(Option):
     """Store every activation for backward: fastest, most activation memory."""
 
     recompute_fraction = 0.0  # share of the forward pass run again in backward (for HFU)
+    # The analytic predictor's questions (ablate/predict/layers.py, analytic.py):
+    recompute_with_mlp = True  # a layer's recompute is alive during its MLP's backward (else after it)
+    recomputes_final_norm = False  # the final norm is recomputed: it keeps nothing beyond its input
 
     def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
         return model
+
+    def kept(self, index: int, full: float, parts: dict) -> float:
+        """Bytes layer `index` keeps for backward beyond its input, given what it keeps without
+        recompute: `full` in all, `parts` by what keeps it ("attn", "mlp", "norm", "qk_norm": the
+        bytes each keeps; "matmul": the matmul and SDPA outputs)."""
+        return full
 
 
 class _Recompute(NoCheckpoint, abc.ABC):
@@ -68,6 +77,9 @@ class Blocks(_Recompute):
         if self.every_n < 1:
             raise Invalid(f"checkpoint.every_n={self.every_n} must be >= 1")
 
+    def kept(self, index: int, full: float, parts: dict) -> float:
+        return 0.0 if (index + 1) % self.every_n == 0 else full  # only the layer input, by the wrapper
+
     def _targets(self, model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module, str]]:
         h = adapter.layer_list(model)
         # Blocks n, 2n, ... counted from 1 (torchtitan's ac_freq): every_n=2 wraps h[1], h[3], ...
@@ -83,6 +95,13 @@ class Sublayer(_Recompute):
 
     def __init__(self, part: str = "mlp"):
         self.part = part
+
+    @property
+    def recompute_with_mlp(self) -> bool:
+        return self.part != "attn"
+
+    def kept(self, index: int, full: float, parts: dict) -> float:
+        return full - parts[self.part]  # the sub-layer's input (a norm output) is kept
 
     def check(self, plan: Plan) -> None:
         self._validate()
@@ -124,6 +143,9 @@ class SelectiveOps(_Recompute):
     e.g. the (B, T, 4C) GELU output and the LayerNorm outputs. Spends: only cheap pointwise
     recompute, so recompute_fraction is ~0 (no matmul runs twice)."""
 
+    def kept(self, index: int, full: float, parts: dict) -> float:
+        return parts["matmul"]  # matmul and SDPA outputs kept; norms, adds, activations recomputed
+
     def _targets(self, model: nn.Module, adapter: Adapter) -> list[tuple[nn.Module, str]]:
         h = adapter.layer_list(model)
         return [(h, str(i)) for i in range(len(h))]
@@ -155,8 +177,24 @@ class Layers(_Recompute):
     attention's q, k, v and SDPA output). Spends: one more forward of each. A lone Linear saves
     only its input and weight, which the wrapper keeps anyway: wrapping it saves nothing."""
 
+    recompute_with_mlp = False
+
     def __init__(self, types: Sequence[str] = ("layernorm", "gelu", "linear", "attention")):
         self.types = list(types)
+
+    @property
+    def recomputes_final_norm(self) -> bool:
+        return "layernorm" in self.types
+
+    def kept(self, index: int, full: float, parts: dict) -> float:
+        saved = full
+        if "attention" in self.types:  # its insides recomputed; its input kept
+            saved -= parts["attn"]
+        if "layernorm" in self.types:  # what a norm keeps beyond its input
+            saved -= parts["norm"]
+            if "attention" not in self.types:  # Qwen3's q/k norms: wrapped inside attention only when it is not
+                saved -= parts.get("qk_norm", 0.0)
+        return saved  # a wrapped Linear or activation keeps exactly what it kept before
 
     def _validate(self) -> None:
         for t in self.types:

@@ -3,6 +3,8 @@ adamw_fp8), beside torch's optimizers and bitsandbytes' 8-bit AdamW in ablate/te
 Each option's states in bytes are the analytic predictor's (ablate/predict/analytic.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ablate.techniques import Invalid, Plan, require_fp8_gpu
@@ -22,7 +24,13 @@ class LowBitAdamW(TorchOptimizer):
     """
 
     supports_stochastic_rounding = True
+    reads_values = True
     torchao_class = ""  # the class in torchao.optim
+    # Bytes per element of a quantised state's codes; elements of each state's own fp32 lookup table;
+    # bytes per element of the compiled step's temporaries, per quantised tensor (inductor's buffers in
+    # its generated code on a CPU: 4-bit two unpacked uint8 codes, two fp32 updates and two int64 code
+    # searches; 8-bit two fp32 updates; fp8 two fp8 codes). Not yet checked on a GPU.
+    code_bytes, qmap, compiled_temp = 1.0, 0, 0
 
     def __init__(self, lr: float, betas: tuple[float, float], weight_decay: float, block_size: int,
                  in_backward: bool):
@@ -50,6 +58,31 @@ class LowBitAdamW(TorchOptimizer):
         return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay,
                 "block_size": self.block_size, "bf16_stochastic_round": self._round_stochastically}
 
+    def quantised(self, numel: int) -> bool:
+        """torchao's _new_buffer quantises a tensor of >= 4096 elements that divides into blocks; any
+        other keeps zeros_like(param) states."""
+        return numel >= 4096 and numel % self.block_size == 0
+
+    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+        """torchao/optim/adam.py: `step` is a host fp32 tensor even on CUDA; a quantised state is its
+        codes, fp32 scales of numel // block_size, and for the integer formats its own fp32 qmap."""
+        numel, step = math.prod(shape), 4 if device == "cpu" else 0
+        if not self.quantised(numel):
+            return 2 * numel * d + step
+        return 2 * (numel * self.code_bytes + numel // self.block_size * 4 + self.qmap * 4) + step
+
+    def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
+        if device == "cpu":
+            # What the traced step runs (and, on a CPU, all that is measured): torchao's step eagerly
+            # (MemTracker is a dispatch mode, which torch.compile refuses), 24 bytes/elem of fp32
+            # copies of the tensor being stepped, 28 with 16-bit parameters (their fp32 upcast), for
+            # every tensor, quantised or not; MemTracker saw exactly that (torch 2.13, torchao 0.18).
+            return max(n for g in groups for n in g) * (24 if d == 4 else 28)
+        return max([n for g in groups for n in g if self.quantised(n)] or [0]) * self.compiled_temp  # plain ones in place
+
+    def before_trace(self) -> None:
+        self.make_tables()  # cached for the process: made of real values, not of the trace's fake 1.0s
+
     def make_tables(self) -> None:
         """torchao's quantisation lookup tables, which it computes once per process and caches."""
         from torchao.optim import subclass_4bit, subclass_8bit
@@ -63,6 +96,7 @@ class AdamW4bit(LowBitAdamW):
     per `block_size` (128: 0.03 bytes/param) of scale: about 1.06 bytes/param instead of AdamW's 8."""
 
     name, torchao_class = "adamw4bit", "AdamW4bit"
+    code_bytes, qmap, compiled_temp = 0.5, 16, 26
 
     def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
                  block_size: int = 128, in_backward: bool = False):
@@ -79,6 +113,7 @@ class AdamW8bitAO(LowBitAdamW):
     bytes/param) of scale: about 2.03 bytes/param instead of 8. Pure PyTorch, unlike bitsandbytes'."""
 
     name, torchao_class = "adamw8bit_ao", "AdamW8bit"
+    code_bytes, qmap, compiled_temp = 1.0, 256, 8
 
     def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
                  block_size: int = 256, in_backward: bool = False):
@@ -90,6 +125,7 @@ class AdamWFp8(LowBitAdamW):
     (256) of scale: about 2.03 bytes/param instead of 8. Needs fp8 conversions in hardware."""
 
     name, torchao_class = "adamw_fp8", "AdamWFp8"  # Triton's fp8e4m3 conversions need sm89
+    code_bytes, qmap, compiled_temp = 1.0, 0, 2
 
     def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
                  block_size: int = 256, in_backward: bool = False):

@@ -14,6 +14,13 @@ class NoOffload(Option):
     """Keep activations, parameters and optimizer states on the training device."""
 
     shards_params = False  # whether parameters become FSDP's DTensor shards, even in one process
+    # Where the analytic predictor (ablate/predict/analytic.py) puts the bytes: on the host, off the
+    # training device (on a CPU the host is the device, and nothing moves).
+    params_on_host = False  # parameters, their gradients and optimizer states
+    states_on_host = False  # optimizer states
+    grads_on_host = False  # gradients
+    activations_on_host = False  # every tensor saved for backward
+    fsdp_mixed_precision = False  # FSDP gathers the parameters in the compute dtype (no autocast copies)
 
     def context(self, device_type: str) -> contextlib.AbstractContextManager:
         """Wraps the forward pass, where the tensors saved for backward are packed."""
@@ -33,6 +40,8 @@ class Activations(NoOffload):
     (torch.autograd.graph.save_on_cpu, pinned on CUDA so the copies are asynchronous).
     Saves: nearly all activation memory on the device. Spends: two PCIe transfers per tensor, host RAM."""
 
+    activations_on_host = True
+
     def context(self, device_type: str) -> contextlib.AbstractContextManager:
         return torch.autograd.graph.save_on_cpu(pin_memory=device_type == "cuda")
 
@@ -42,8 +51,14 @@ class OptimizerState(NoOffload):
     optimizer step on the CPU (torchao's CPUOffloadOptimizer). Saves: 8 bytes/param of AdamW state
     on the device (+4 with gradients). Spends: device<->host copies of grads and params each step."""
 
+    states_on_host = True
+
     def __init__(self, gradients: bool = False):
         self.gradients = gradients
+
+    @property
+    def grads_on_host(self) -> bool:
+        return self.gradients
 
     def check(self, plan: Plan) -> None:
         if plan.device == "cpu":
@@ -74,7 +89,7 @@ class Params(NoOffload):
     With parallel=fsdp it is FSDP's own offload. With parallel=single, one process is FSDP over a
     process group of one rank (`place`): the same streaming, nothing to shard with."""
 
-    shards_params = True
+    shards_params = params_on_host = fsdp_mixed_precision = True
 
     def check(self, plan: Plan) -> None:
         if plan.in_backward:

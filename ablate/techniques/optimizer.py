@@ -10,11 +10,12 @@ from __future__ import annotations
 import abc
 import functools
 import importlib.util
+import math
 
 import torch
 from torch import nn
 
-from ablate.techniques import Invalid, Option, Plan
+from ablate.techniques import Invalid, Option, Plan, Unmodelled
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -117,6 +118,27 @@ class TorchOptimizer(Option, abc.ABC):
             raise Invalid("optimizer.in_backward=true needs parallel=single: "
                           "DDP/FSDP reduce gradients after the hook has already stepped")
 
+    # The analytic predictor's questions (ablate/predict/analytic.py), in bytes. `shape` is one
+    # parameter tensor's (its shard's under FSDP: torch keeps a DTensor's states in its local
+    # shape), `d` the bytes of the parameters' dtype, `groups` each parameter group's tensor sizes
+    # (elements) in the order the step visits them, `device` "cpu" or "cuda".
+    reads_values = False  # its step reads tensor values (.item()), which the fake-tensor trace must answer
+
+    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+        """Optimizer state kept on the device for one parameter tensor."""
+        raise Unmodelled(f"no memory model for optimizer option {type(self).__name__}")
+
+    def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
+        """The step's temporaries at their largest."""
+        raise Unmodelled(f"no memory model for optimizer option {type(self).__name__}")
+
+    def shared_state_bytes(self, largest: int) -> float:
+        """State shared by every tensor (a quantisation map), given the largest tensor's elements."""
+        return 0.0
+
+    def before_trace(self) -> None:
+        """What must exist, of real values, before the fake-tensor trace runs this optimizer."""
+
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         if not self.in_backward:
             return self.make(self.param_groups(model))
@@ -127,6 +149,18 @@ class TorchOptimizer(Option, abc.ABC):
                 optimizers.append(opt)
                 hooks.append(p.register_post_accumulate_grad_hook(_step_and_free(opt)))
         return InBackward(optimizers, hooks)
+
+
+def host_step_bytes(device: str, fused: bool = False) -> int:
+    """torch keeps Adam's and Adafactor's `step` a 0-d fp32 tensor on the host unless fused: on a CPU
+    the host is the device. One per parameter tensor, whole on every rank."""
+    return 4 if device == "cpu" or fused else 0
+
+
+def for_loop_temp_bytes(groups: list[list[int]], d: int, per_tensor: int) -> float:
+    """Temporaries of a for-loop step: `per_tensor` tensor-sized ones for the current parameter,
+    plus the previous parameter's last one, which a loop variable keeps until reassigned."""
+    return max((prev + per_tensor * cur) * d for g in groups for prev, cur in zip([0, *g], g))
 
 
 def _step_and_free(opt: torch.optim.Optimizer):
@@ -170,6 +204,16 @@ class AdamW(TorchOptimizer):
                 raise Invalid("precision.stochastic_rounding=true needs torchao: pip install torchao")
         self._round_stochastically = plan.stochastic_rounding
 
+    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+        return 2 * math.prod(shape) * d + host_step_bytes(device, self.implementation == "fused")
+
+    def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
+        if self.implementation == "fused":
+            return 0.0
+        if self.implementation == "foreach" or (self.implementation == "default" and device == "cuda"):
+            return max(sum(g) for g in groups) * d  # sqrt(exp_avg_sq) for a whole group at once (CUDA's default)
+        return for_loop_temp_bytes(groups, d, 2)  # sqrt(exp_avg_sq) and its quotient
+
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         if self._round_stochastically:
             from torchao.optim import _AdamW  # optional: only needed for stochastic rounding
@@ -190,6 +234,12 @@ class SGD(TorchOptimizer):
     def __init__(self, lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0, in_backward: bool = False):
         super().__init__(lr, weight_decay, in_backward)
         self.momentum = momentum
+
+    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+        return math.prod(shape) * d if self.momentum else 0
+
+    def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
+        return for_loop_temp_bytes(groups, d, 1) if self.weight_decay else 0.0  # grad + wd * param
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         return torch.optim.SGD
@@ -221,6 +271,17 @@ class Adafactor(TorchOptimizer):
                           "fail on its in-place pow_ of a sharded norm, and parallel=fsdp1 gives it flat "
                           "1-D shards it cannot factor; use parallel=ddp (or fsdp1 with sharding=no_shard)")
 
+    reads_values = True
+
+    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+        if len(shape) < 2:
+            return math.prod(shape) * d + host_step_bytes(device)
+        rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
+        return (rows + cols) * d + host_step_bytes(device)
+
+    def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
+        return for_loop_temp_bytes(groups, d, 1)  # the row x col variance estimate, scaled in place
+
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         return torch.optim.Adafactor
 
@@ -244,6 +305,20 @@ class AdamW8bit(TorchOptimizer):
 
     def check_values(self) -> None:
         """Left to bitsandbytes in the worker: importing it would cost the job process seconds."""
+
+    reads_values = True
+
+    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+        numel = math.prod(shape)
+        if numel < self.min_8bit_size:
+            return 2 * numel * 4  # small tensors keep fp32 states
+        return 2 * numel + 2 * math.ceil(numel / 256) * 4  # uint8 states + one fp32 absmax per 256 values
+
+    def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
+        return 0.0  # one fused kernel per tensor
+
+    def shared_state_bytes(self, largest: int) -> float:
+        return 2 * 256 * 4 if largest >= self.min_8bit_size else 0.0  # the two fp32 quantisation maps
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         from bitsandbytes.optim import AdamW8bit  # optional dependency, imported only when used

@@ -25,6 +25,10 @@ class Single(Option):
     shards_params = False  # parameters are whole on every rank
     rank = 0
     traceable = True  # torch's MemTracker can follow this wrapper (for the memory breakdown)
+    # What the analytic predictor (ablate/predict/analytic.py) asks:
+    ddp_buckets = False  # DDP's buckets: a second copy of every gradient
+    grads_in_buckets = False  # each .grad a view into its bucket: that copy is the gradient
+    fsdp_mixed_precision = False  # FSDP gathers the parameters in the compute dtype (no autocast copies)
 
     def __init__(self, nproc: int | str = 1, nodes: int = 1):
         self.nproc, self.nodes = nproc, nodes
@@ -108,6 +112,12 @@ class DDP(_Distributed):
         super().__init__(nproc, nodes, backend)
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
+    ddp_buckets = True
+
+    @property
+    def grads_in_buckets(self) -> bool:
+        return self.gradient_as_bucket_view
+
     def check(self, plan: Plan) -> None:
         super().check(plan)
         if plan.sharded:
@@ -139,7 +149,7 @@ class FSDP(_Distributed):
     precision, as much gradient memory as a DDP rank's, for fewer collectives. (DDP always
     defers: its gradients are whole either way.)"""
 
-    shards_params = True
+    shards_params = fsdp_mixed_precision = True
 
     def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto",
                  reshard_after_forward: bool = True, sync_each_micro_step: bool = True):
@@ -184,6 +194,7 @@ class FSDP1(_Distributed):
     # MemTracker hooks every parameter's gradient accumulation; FSDP1's flat-parameter views
     # (use_orig_params) are not leaves, so no breakdown (nor CPU peak) under FSDP1.
     traceable = False
+    fsdp_mixed_precision = True
 
     def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto",
                  sharding: str = "full", backward_prefetch: str = "pre", sync_each_micro_step: bool = True):

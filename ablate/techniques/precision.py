@@ -55,6 +55,11 @@ class Precision(Option):
         """Swap layers for ones computing in another format (fp8); the others keep the model as it is."""
         return model
 
+    def fp8_weights(self, layer: nn.Module) -> int:
+        """Elements of `layer`'s weights computed in float8 (autocast casts no 16-bit copy of them):
+        the analytic predictor's question (ablate/predict/analytic.py)."""
+        return 0
+
     def materialize(self, family, device: torch.device) -> nn.Module:
         """Build the model option `family` (an ablate.models.Family) and put it on `device` in the
         parameter dtype.
@@ -140,6 +145,11 @@ class FP8(BF16):
         require_fp8_gpu(plan, "precision=fp8")
         if importlib.util.find_spec("torchao") is None:
             raise Invalid("precision=fp8 needs torchao: pip install torchao")
+
+    def fp8_weights(self, layer: nn.Module) -> int:
+        """Each is cast to fp8 per use (a transient a quarter of its fp32 size), and its backward keeps
+        the fp32 weight itself. Not yet measured on a GPU."""
+        return sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear) and fp8_sized(m))
 
     def convert(self, model: nn.Module, adapter) -> nn.Module:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
