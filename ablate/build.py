@@ -101,6 +101,9 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
     model = t.precision.materialize(t.model, device)
     t.model.load_weights(model)
     adapter = t.model.adapter  # where the layers are, for every technique below
+    # 1a. Parameters the techniques change (frozen, added), on the bare model, before any wrapper
+    #     sees them; the analytic predictor makes the same change on its meta model.
+    model = change_params(t)(model)
     t.loss.attach(model, adapter)  # before any wrapper: the model's own forward hands its hidden states to the loss
     # 1b. Layers swapped for another number format (fp8) on the bare model, before recompute
     #     wrappers and compile see them (torchtitan's order).
@@ -113,6 +116,15 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
         model = torch.compile(model)
     # 4. The parallel wrapper comes last: DDP/FSDP must see the final module tree.
     return t.parallel.wrap(model, adapter, t.precision, t.offload)
+
+
+def change_params(t: Techniques):
+    """model -> the model with every technique's change_params applied, in the build's order."""
+    def change(model: nn.Module) -> nn.Module:
+        for option in t.options().values():
+            model = option.change_params(model, t.model.adapter)
+        return model
+    return change
 
 
 def build_optimizer(model: nn.Module, t: Techniques) -> torch.optim.Optimizer:

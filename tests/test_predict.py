@@ -19,9 +19,11 @@ MIB = 2**20
 NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
 
 
-def measured(overrides: list[str], base: list[str] = NANO) -> measure.Trace:
-    """MemTracker on the second real step of the point (the first allocates optimizer states)."""
+def measured(overrides: list[str], base: list[str] = NANO, extra: dict | None = None) -> measure.Trace:
+    """MemTracker on the second real step of the point (the first allocates optimizer states);
+    `extra`: option nodes of groups the config has not got (a test's own)."""
     spec = compose_spec([*base, *overrides])
+    spec.groups.update(extra or {})
     t = check_config(spec, "cpu")
     torch.manual_seed(0)
     cpu = torch.device("cpu")

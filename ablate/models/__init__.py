@@ -15,6 +15,7 @@ forward(idx, targets) -> (logits, loss), tie_weights(), reset_parameters().
 from __future__ import annotations
 
 import abc
+import copy
 import functools
 import math
 from dataclasses import dataclass
@@ -120,6 +121,7 @@ class ParamLayout:
     shapes: dict  # parameter name -> shape, in the whole model's named_parameters() order
     layer_names: list  # per layer i, its parameter names in that order
     sampled: bool = False  # read from a sample: `model` has fewer layers than `layer_names`
+    frozen: frozenset = frozenset()  # the names of parameters that train not (requires_grad False)
 
     @classmethod
     def read(cls, model: nn.Module, adapter: Adapter) -> ParamLayout:
@@ -130,10 +132,11 @@ class ParamLayout:
         for name in shapes:  # "<layers>.<i>.<rest>" -> layer i
             if name.startswith(prefix):
                 layer_names[int(name[len(prefix):].split(".", 1)[0])].append(name)
-        return cls(model, prefix, shapes, layer_names)
+        frozen = frozenset(name for name, p in model.named_parameters() if not p.requires_grad)
+        return cls(model, prefix, shapes, layer_names, frozen=frozen)
 
     @classmethod
-    def repeated(cls, family: Family) -> ParamLayout | None:
+    def repeated(cls, family: Family, change: Callable[[nn.Module], nn.Module] | None = None) -> ParamLayout | None:
         """The layout of `family`'s whole model from its samples of one and two layers; None where
         it has no more than two layers (then the whole model is as cheap), builds no sample, or
         its samples show that its layers do not simply repeat: layer 1 is not layer 0 under
@@ -145,6 +148,8 @@ class ParamLayout:
         samples = [family.sample(k) for k in (1, SAMPLED)]
         if any(s is None for s in samples):
             return None
+        if change is not None:  # on copies: the family's cached samples stay its bare model (a meta copy is free)
+            samples = [change(copy.deepcopy(s)) for s in samples]
         one, two = (cls.read(s, family.adapter) for s in samples)
         outside = [[(k, v) for k, v in r.shapes.items() if not k.startswith(r.prefix)] for r in (one, two)]
         pairs = _repeat(list(two.shapes), two.prefix, n)
@@ -152,7 +157,8 @@ class ParamLayout:
             return None
         rests = [name[len(two.prefix) + 2:] for name in two.layer_names[0]]  # past "<prefix>0."
         return cls(two.model, two.prefix, {name: two.shapes[seen] for name, seen in pairs},
-                   [[f"{two.prefix}{i}.{rest}" for rest in rests] for i in range(n)], sampled=True)
+                   [[f"{two.prefix}{i}.{rest}" for rest in rests] for i in range(n)], sampled=True,
+                   frozen=frozenset(name for name, seen in pairs if seen in two.frozen))
 
     def expert_names(self, adapter: Adapter) -> set[str]:
         """The whole model's names of a mixture of experts' weights, read off the model the layout
@@ -261,12 +267,22 @@ class Family(Option, abc.ABC):
             self._layout = ParamLayout.repeated(self) or ParamLayout.read(self.meta_model, self.adapter)
         return self._layout
 
-    def param_groups(self, param_groups: Callable[[nn.Module], list[dict]]) -> list[list[str]]:
+    def layout_with(self, change: Callable[[nn.Module], nn.Module] | None) -> ParamLayout:
+        """The layout of the model `change` makes of this family's (the techniques' change_params,
+        as the build applies them: frozen, added or replaced parameters); `layout` without one."""
+        if change is None:
+            return self.layout
+        return ParamLayout.repeated(self, change) or ParamLayout.read(change(copy.deepcopy(self.meta_model)),
+                                                                      self.adapter)
+
+    def param_groups(self, param_groups: Callable[[nn.Module], list[dict]],
+                     change: Callable[[nn.Module], nn.Module] | None = None) -> list[list[str]]:
         """An optimizer option's `param_groups(model)` as the whole model's parameter names, in the
-        order each group lists them."""
-        groups = self.layout.groups(param_groups)
+        order each group lists them (of the model `change` makes, as `layout_with`)."""
+        groups = self.layout_with(change).groups(param_groups)
         if groups is None:  # not a filter of the model's order: only the whole model can say
-            groups = ParamLayout.read(self.meta_model, self.adapter).groups(param_groups)
+            whole = self.meta_model if change is None else change(copy.deepcopy(self.meta_model))
+            groups = ParamLayout.read(whole, self.adapter).groups(param_groups)
         return groups
 
     def num_params(self) -> int:

@@ -27,11 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ablate.build import Techniques
+from ablate.build import Techniques, change_params
 from ablate.predict import Prediction
 from ablate.predict.layers import Arch, arch_of, forward_temp, inner_temp, layer_saves, math_sdpa, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
+from ablate.techniques import Option
 
 MIB = 2**20
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -57,6 +58,7 @@ class Shapes:
     embedding: str  # the token embedding's weight
     lm_head: str | None  # the LM head's weight when untied, else None
     linear_names: list  # layer 0's parameters inside its attention and MLP (what autocast casts)
+    frozen: frozenset = frozenset()  # parameters that train not: no gradient, no optimizer state
 
     @property
     def h(self) -> int:
@@ -93,19 +95,29 @@ def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
     # Names and shapes from the family's layout: for repeated layers read off a two-layer sample on
     # the meta device, in the whole model's order, so the cost is linear in the layers (building all
     # of them took ~2 ms each: 20 s at 10,000), and nothing is allocated.
-    layout, a = t.model.layout, t.model.adapter
+    # The model as the techniques leave it (frozen or added parameters), as the build makes it.
+    change = _param_change(t)
+    layout, a = t.model.layout_with(change), t.model.adapter
     shapes = layout.shapes  # a tied weight once, under its first name
     inner = tuple(f"{layout.prefix}0.{part}." for part in (a.attention, a.mlp))
     # A mixture of experts' weights multiply in their own dtype (grouped_mm is no autocast op): never cast.
     experts = layout.expert_names(a)
-    groups = [[shapes[n] for n in g] for g in t.model.param_groups(t.optimizer.param_groups)]
+    groups = [[shapes[n] for n in g] for g in t.model.param_groups(t.optimizer.param_groups, change)]
     lm_head = f"{a.lm_head}.weight"
     return Shapes(b=spec.batch_size // t.accumulation.steps, s=spec.seq_len, arch=arch,
                   param_numels={n: math.prod(s) for n, s in shapes.items()}, param_shapes=shapes, groups=groups,
                   layer_names=layout.layer_names, embedding=f"{a.embedding}.weight",
                   lm_head=lm_head if lm_head in shapes else None,
                   linear_names=[n for n in layout.layer_names[0]
-                                if n.startswith(inner) and n not in experts])
+                                if n.startswith(inner) and n not in experts], frozen=layout.frozen)
+
+
+def _param_change(t: Techniques):
+    """The techniques' change of the parameters (ablate/build.py change_params); None where no
+    option changes any, so the family's own layout, read once, serves."""
+    if all(type(o).change_params is Option.change_params for o in t.options().values()):
+        return None
+    return change_params(t)
 
 
 def _local_shape(shape: tuple, world: int) -> tuple:
@@ -134,30 +146,31 @@ def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
     fsdp = _fsdp(t)
     world = max(p.world_size, 1) if p.shards_params else 1  # offload=params alone: FSDP over one rank
     local = {n: math.prod(_local_shape(s, world)) for n, s in sh.param_shapes.items()}
+    trains = [n for n in local if n not in sh.frozen]  # a frozen parameter has no gradient and no state
     # FSDP CPU offload: shards, their grads and states on the host (on a CPU, the host is the device)
     offloaded = t.offload.params_on_host and device != "cpu"
     # The optimizer option's own model of its states (ablate/techniques/optimizer.py, lowbit.py), for
     # each tensor's local shape: torch keeps a DTensor parameter's states in its shard's shape.
-    states = sum(t.optimizer.state_bytes(_local_shape(s, world), pd, device) for s in sh.param_shapes.values())
-    states += t.optimizer.shared_state_bytes(max(local.values()))
+    states = sum(t.optimizer.state_bytes(_local_shape(sh.param_shapes[n], world), pd, device) for n in trains)
+    states += t.optimizer.shared_state_bytes(max([local[n] for n in trains] or [0]))
     if offloaded or t.offload.states_on_host:
         states = 0.0
-    grads = {n: numel * _grad_bytes(t) for n, numel in sh.param_numels.items()}
+    grads = {n: 0.0 if n in sh.frozen else numel * _grad_bytes(t) for n, numel in sh.param_numels.items()}
     if t.offload.grads_on_host:
         grads = dict.fromkeys(grads, 0.0)
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
     z = Sizes(params=0.0 if offloaded else sum(local.values()) * pd, grads=grads, states=states,
               step_temp=0.0 if states == 0 else t.optimizer.step_temp_bytes(groups, pd, device),
-              other=(sum(sh.param_numels.values()) * pd if p.ddp_buckets else 0.0)
+              other=(sum(sh.param_numels[n] for n in trains) * pd if p.ddp_buckets else 0.0)
               + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
               grads_in_buckets=p.grads_in_buckets)
     if fsdp:
         reduce_d = 4 if t.precision.autocast_dtype else pd  # FSDP reduces in fp32 under autocast
 
         def unit(names: list[str]) -> Unit:
-            shard = sum(local[n] for n in names)
-            return Unit(gathered=shard * world * gd, sharded_grads=0.0 if offloaded else shard * pd,
-                        reduce_input=shard * world * reduce_d)
+            shard, grad = sum(local[n] for n in names), sum(local[n] for n in names if n not in sh.frozen)
+            return Unit(gathered=shard * world * gd, sharded_grads=0.0 if offloaded else grad * pd,
+                        reduce_input=grad * world * reduce_d)
 
         in_layers = {n for names in sh.layer_names for n in names}
         z.root = unit([n for n in local if n not in in_layers])
@@ -221,7 +234,7 @@ ASKED = ("precision", "accumulation", "checkpoint", "offload", "parallel", "opti
 
 def _asked(t: Techniques) -> None:
     for group, option in t.options().items():
-        if group not in ASKED:
+        if group not in ASKED and not option.memory_in_params:
             raise Unmodelled(f"no analytic memory model for group {group} (option {type(option).__name__})")
 
 

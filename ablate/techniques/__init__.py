@@ -38,8 +38,18 @@ class Plan:
 
 
 class Option:
+    # True where all this option changes in memory is the parameters change_params leaves, which the
+    # analytic predictor reads off its meta model: then its group needs no memory model of its own.
+    memory_in_params = False
+
     def check(self, plan: Plan) -> None:
         """Raise Invalid with a reason naming the key if this option cannot run under `plan`."""
+
+    def change_params(self, model, adapter):
+        """Freeze, add or replace parameters of the bare model (`adapter`: where its parts are,
+        ablate/models/). The build calls it once the weights are loaded, before any wrapper; the
+        predictor calls it on its meta model, so both count the same parameters. Returns the model."""
+        return model
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
