@@ -115,8 +115,8 @@ def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, dev
         trace = measure.traced_step(step, model, optimizer, device)
     except torch.OutOfMemoryError:
         # The traced step runs eagerly under MemTracker's dispatch mode: under compile=true, or with
-        # torchao's compiled optimizer step, it can hold more than the steps it looks into (the
-        # H200's 4-bit gpt2-xl point on 8 GiB, 2026-11-26). Its OOM is the tracer's, not
+        # torchao's compiled optimizer step, it can hold more than the steps it looks into (4-bit
+        # gpt2-xl on 8 GiB: benchmarks/results/NVIDIA-H200/gpt2_xl_8gib.md). Its OOM is the tracer's, not
         # training's: the point goes on untraced, and its measured steps decide ok or oom. What the
         # step left (gradients, or some of them under optimizer.in_backward) goes first.
         trace = None

@@ -45,8 +45,8 @@ for name in "$@"; do
     # which tests take the device time, for planning the next session's calls. -n (pytest-xdist, on
     # the image): ABLATE_GPU_TEST_WORKERS tests at once (4; 1 for one at a time). They spend most
     # of their time starting processes and compiling on the host's CPUs, and each measures its own
-    # process's allocator, so running side by side changes no assertion; 22 tests took over 9
-    # minutes one at a time on the H200, most of a 15-minute session.
+    # process's allocator, so running side by side changes no assertion; 22 tests one at a time took
+    # over 9 minutes on a GPU host, most of a 15-minute device allowance.
     rm -f benchmarks/results/gpu-failures.log
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=300)
     workers=${ABLATE_GPU_TEST_WORKERS:-4}

@@ -83,7 +83,7 @@ def page(results: dict[str, dict], runs: list[dict], repeats: int, load: tuple, 
                   "beside its worker is `timing.wall_s` less the worker's phases (importing torch, validating "
                   "and predicting before the launch, writing the row after). The phases follow, from the launch "
                   "(`startup`: what is left of the worker's start then) to its end."
-                  + (f" Issue 40's goal for the first command, under {GOAL:.0%} outside training: "
+                  + (f" The goal for the first command, under {GOAL:.0%} outside training: "
                      f"{'met' if first['share'] < GOAL else 'not met'} ({first['share']:.0%})." if goal else ""), ""]
     return "\n".join(lines)
 

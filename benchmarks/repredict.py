@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("results", type=Path, help="benchmarks/results/<device>: its */runs.csv are read")
     args = parser.parse_args(argv)
     shown = args.results.resolve().relative_to(ROOT) if args.results.resolve().is_relative_to(ROOT) else args.results
-    lines = [f"# Recorded runs on {args.results.name} against today's analytic model", "",
+    lines = [f"# Recorded runs on {args.results.name} against the analytic model at this commit", "",
              f"- command: `python benchmarks/repredict.py {shown}`",
              f"- model at commit: `{git_sha()}`; measured: each preset's runs.csv beside this file, "
              "recorded by its benchmark (commit and device in its .md)", ""]

@@ -15,8 +15,8 @@ ceil(rows / world) rows, so rank 0's are the largest; its optimizer states take 
 shapes, and only the 0-d step counters are whole on every rank. A unit (a block, or the root:
 embeddings and ln_f) is all-gathered in the compute dtype for its forward and again for its
 backward; its gradients are made whole, then reduce-scattered into shards. FSDP1 is given the same
-sizes: MemTracker cannot follow it, but on one H100 the gpt2-xl FSDP1 batch scan's allocator peaks
-came within 1.6% of them (benchmarks/results/NVIDIA-H100-80GB-HBM3/repredict.md).
+sizes: MemTracker cannot follow it, but the gpt2-xl FSDP1 batch scan's allocator peaks came within
+1.6% of them (benchmarks/results/NVIDIA-H100-80GB-HBM3/repredict.md).
 
 The sizes are played through one step as a timeline of allocations and frees
 (ablate/predict/timeline.py; the head and the loss in ablate/predict/loss_play.py), so the peak lands
@@ -37,9 +37,9 @@ from ablate.techniques import Option
 MIB = 2**20
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # cuBLAS takes its workspaces through the caching allocator at the first matmuls (32 MiB each on
-# Hopper, NVIDIA's recommended size). On an H100 with torch 2.11 every predict_check point's
-# allocator peak ran 54-88 MiB above the modelled tensors, and a traced gpt-mini step 67 MiB above
-# MemTracker's (benchmarks/results/NVIDIA-H100-80GB-HBM3/): two of them.
+# Hopper, NVIDIA's recommended size): two of them. Every predict_check point's allocator peak ran
+# 54-88 MiB above the modelled tensors, and a traced gpt-mini step 67 MiB above MemTracker's
+# (benchmarks/results/NVIDIA-H100-80GB-HBM3/).
 CUBLAS_WORKSPACES = 64 * MIB
 
 

@@ -98,8 +98,8 @@ def math_sdpa(a: Arch, device: str, c: int) -> bool:
     """Whether SDPA runs its math backend, on CUDA, for this layer: grouped-query heads (transformers
     passes enable_gqa=True where there is no mask and head_dim <= 256) in fp32. Flash and cuDNN take
     16-bit inputs only, and the memory-efficient kernel refuses grouped-query heads (torch's
-    sdp_utils.cpp). CPU's flash kernel takes both (torch 2.13). Measured on an H200: fp32 Mixtral
-    at 4 x 512 tokens was 5.9% over the fused-kernel prediction (benchmarks/results/NVIDIA-H200/moe.md)."""
+    sdp_utils.cpp). CPU's flash kernel takes both. fp32 Mixtral at 4 x 512 tokens measured 5.9% over
+    the fused-kernel prediction (benchmarks/results/NVIDIA-H200/moe.md)."""
     return device == "cuda" and c == 4 and a.kind == "llama" and a.kv_heads < a.heads and a.head_dim <= 256
 
 

@@ -94,7 +94,7 @@ class TorchOptimizer(Option, abc.ABC):
         """torch's own checks of the hyperparameters ("Invalid learning rate: -1"), in the job
         process, so that a bad value is an invalid row that starts no worker. With no parameters:
         each torch optimizer checks its values before the base class refuses the empty list, and
-        one built with a parameter imports torch._dynamo (1.1 s per job process on a 2-core VM)."""
+        one built with a parameter imports torch._dynamo (about a second per job process)."""
         try:
             self.optimizer_class()([], **self.optimizer_kwargs())
         except ValueError as exc:
