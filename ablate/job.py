@@ -161,7 +161,7 @@ def link_artifacts(result: dict, old_dir: Path, new_dir: Path) -> None:
             shutil.copy2(src, dst)
 
 
-def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress):
+def prestarted_outcome(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress):
     """ablate/outcome.py's outcome of the point, its worker started first (launch/warm.py), unless
     the point before left one waiting: the worker imports while this process imports torch (for
     the prediction), validates and predicts. A point found done never imports torch here."""
@@ -206,7 +206,7 @@ def run_claimed(point: Point, progress: Progress) -> dict:
         return result
 
     started, t0 = datetime.now(timezone.utc), time.monotonic()
-    outcome, prediction = outcome_of(point.spec, point.run_dir, point.overrides, progress)
+    outcome, prediction = prestarted_outcome(point.spec, point.run_dir, point.overrides, progress)
     timing = {"started_at": started.isoformat(), "finished_at": datetime.now(timezone.utc).isoformat(),
               "wall_s": time.monotonic() - t0, "phases_s": outcome.phases or None}
     if int(os.environ.get("SLURM_PROCID", 0)) != 0:

@@ -1,7 +1,7 @@
 """A grid point's outcome, once the job has its typed spec: validate, predict, then run the worker
 once, as a batch search, or not at all (a plan, a pruned point). Never touches CUDA itself.
 
-validate -> predict -> (prune | plan | launch the worker -> classify) -> Outcome (+ Prediction)
+validate -> predict -> (prune | plan | launch the worker -> its outcome) -> Outcome (+ Prediction)
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def inject_fault(overrides: list[str], rank: int = 0) -> None:
 _OOM_MESSAGES = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
-def classify(exc: BaseException) -> tuple[str, str]:
+def status_of(exc: BaseException) -> tuple[str, str]:
     """(status, reason) for an exception raised while running a point."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, torch.OutOfMemoryError):
@@ -82,7 +82,7 @@ def main(spec_path: str) -> int:
         return 0
     except Exception as exc:  # every failure becomes a reported status; the traceback goes to the log
         traceback.print_exc()
-        status, reason = classify(exc)
+        status, reason = status_of(exc)
         events.emit("failure", status=status, reason=reason)
         if status == "oom":  # the allocator's state at the OOM, if CUDA's observer caught one
             try:

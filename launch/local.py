@@ -1,4 +1,4 @@
-"""Run one worker as a child process with a wall-clock limit, and classify how it ended.
+"""Run one worker as a child process with a wall-clock limit, and tell how it ended.
 
 The worker gets its own session (process group), so a timeout or Ctrl-C kills it and everything it
 started (torchrun's ranks included), and never the sweep.
@@ -168,7 +168,7 @@ def _lost_ranks(events: list[dict], failures: list[dict]) -> str | None:
     return f"node {hosts} lost: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped without a word"
 
 
-def classify(returncode: int, timed_out: bool, timeout_s: float, events: list[dict], log: Path,
+def worker_outcome(returncode: int, timed_out: bool, timeout_s: float, events: list[dict], log: Path,
              world_size: int = 1) -> Outcome:
     """Status and reason from how the worker (or torchrun's group) ended and what it reported."""
     if timed_out:
@@ -309,7 +309,7 @@ def run_worker(cmd: list[str], run_dir: Path, timeout_s: float, world_size: int 
                 _kill_group(proc)
         follow()
     ended = time.time()
-    outcome = classify(proc.returncode, timed_out, timeout_s, events, log, world_size)
+    outcome = worker_outcome(proc.returncode, timed_out, timeout_s, events, log, world_size)
     if log.exists() and log.stat().st_size == 0:  # the worker printed nothing: no empty file beside its row
         log.unlink()
     if stopped and outcome.status != "ok":

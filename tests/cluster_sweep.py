@@ -7,7 +7,7 @@ task meeting its first try (the claim serialises them: a finished point is not m
 error or timeout is), and two tries racing with no claim between them (a mount where flock is
 local to each node).
 
-Nothing trains: ablate.job.outcome_of, the one step that would start a worker, hands back each
+Nothing trains: ablate.job.prestarted_outcome, the one step that would start a worker, hands back each
 point's canned outcome and leaves the files a worker would. Memory in MiB (an 80 GB H100 holds
 81,559), times in ms.
 """
@@ -156,7 +156,7 @@ def leave_artifacts(run_dir: Path, outcome: Outcome, n_layer: int) -> None:
 
 
 def measure(outcome: tuple, log: Path, meet: bool, spec, run_dir: Path, overrides: list, progress):
-    """outcome_of for a point that trains nothing: notes that it was measured (a line per try,
+    """prestarted_outcome for a point that trains nothing: notes that it was measured (a line per try,
     O_APPEND), leaves the worker's files, hands back the canned outcome. With `meet` (a racing
     pair), waits for the other try to get here too, so that both passed the skip check before
     either wrote: they race."""
@@ -177,7 +177,7 @@ def record(task: tuple) -> None:
     `claim` is false: a flock that does not hold across nodes), then run_claimed."""
     point, outcome, claim, log = task
     with open(os.devnull, "w") as quiet, \
-            mock.patch.object(job, "outcome_of", functools.partial(measure, outcome, log, not claim)):
+            mock.patch.object(job, "prestarted_outcome", functools.partial(measure, outcome, log, not claim)):
         progress = Progress(point.label, stream=quiet)
         if claim:
             with claimed(results.Index(point.config["out_dir"]).claim_path(point.run_id), progress.note):
