@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -64,10 +65,36 @@ INPUT_KEYS = {"model": ("config_path", "init_from"), "data": ("path",)}
 SMALL_FILE = 2**20  # bytes: hashed whole (a config.json); a larger file by its size and mtime
 
 
+# The config keys that name a Python class as "pkg.module:Class" (model=custom's target): the file
+# of its module is an input as a path is, so that an edited model is a new point.
+MODULE_KEYS = {"model": ("target",)}
+
+
 def input_paths(config: dict) -> dict[str, str]:
-    """"group.key" -> path, for each input path the config sets."""
-    return {f"{group}.{key}": str(config[group][key]) for group, keys in INPUT_KEYS.items()
-            for key in keys if isinstance(config.get(group), dict) and config[group].get(key)}
+    """"group.key" -> path, for each input path the config sets, and the source of each module it names."""
+    paths = {f"{group}.{key}": str(config[group][key]) for group, keys in INPUT_KEYS.items()
+             for key in keys if isinstance(config.get(group), dict) and config[group].get(key)}
+    for group, keys in MODULE_KEYS.items():
+        for key in keys:
+            value = config[group].get(key) if isinstance(config.get(group), dict) else None
+            source = module_source(value) if isinstance(value, str) else None
+            if source:
+                paths[f"{group}.{key}"] = source
+    return paths
+
+
+def module_source(target: str) -> str | None:
+    """The file that defines the module of `target` ("pkg.module:Class" or "pkg.module.Class"), or
+    a package's folder (its files one level down), found by importlib without running that module
+    (its parent packages are imported); None where no such file is found."""
+    module = target.partition(":")[0] if ":" in target else target.rpartition(".")[0]
+    try:
+        spec = importlib.util.find_spec(module) if module else None
+    except Exception:  # noqa: BLE001  (a parent package that fails to import, a name no module has)
+        return None
+    if spec is None or not spec.has_location or not spec.origin:
+        return None
+    return str(Path(spec.origin).parent) if spec.submodule_search_locations is not None else spec.origin
 
 
 def fingerprint(path: str) -> str:

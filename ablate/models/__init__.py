@@ -220,6 +220,21 @@ class Family(Option, abc.ABC):
     def load_weights(self, model: nn.Module) -> None:
         """Copy `init_from`'s weights into `model` in place; nothing without one."""
 
+    def check(self, plan) -> None:
+        """The model contract (`check_contract`); a family that checks more calls this too where
+        its module is not ablate's own (ablate's GPT and transformers' wrapper are tested once,
+        by tests/test_model_contract.py, not per point)."""
+        self.check_contract(plan)
+
+    def check_contract(self, plan) -> None:
+        """Invalid where the module this family builds breaks the model contract
+        (ablate/models/contract.py check_model), read off a meta build: its one-layer sample where
+        it has one; with the chunked loss planned, one meta forward says whether it calls loss_fn."""
+        from ablate.models.contract import check_model
+
+        sample = self.sample(1)
+        check_model(self.meta_model if sample is None else sample, self, chunked=plan.chunked_loss)
+
     uses_transformers = False  # its model is a transformers one (the trace patches transformers' masking)
 
     def arch(self):

@@ -1,0 +1,1 @@
+"""Examples of bringing your own model (README.md "Bring your own model")."""
