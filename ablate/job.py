@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from ablate import results
-from ablate.claim import claimed
+from ablate.point_claim import claimed
 from ablate.console import Progress
 from ablate.predict import Prediction
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
@@ -162,7 +162,7 @@ def link_artifacts(result: dict, old_dir: Path, new_dir: Path) -> None:
 
 
 def prestarted_outcome(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress):
-    """ablate/outcome.py's outcome of the point, its worker started first (launch/warm.py), unless
+    """ablate/outcome.py's outcome of the point, its worker started first (launch/warm_start.py), unless
     the point before left one waiting: the worker imports while this process imports torch (for
     the prediction), validates and predicts. A point found done never imports torch here."""
     if not spec.predict_only:

@@ -378,7 +378,7 @@ class Index:
         self.root = Path(out_dir) / "index"
 
     def claim_path(self, run_id: str) -> Path:
-        """The lock a point is claimed by while it runs (ablate/claim.py)."""
+        """The lock a point is claimed by while it runs (ablate/point_claim.py)."""
         return self.root / f"{run_id}.claim"
 
     def record(self, run_id: str, result_path: Path) -> None:

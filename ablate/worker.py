@@ -1,7 +1,7 @@
 """The worker: one process that builds, trains and measures one grid point, then reports.
 
 Started by the job as `python -m ablate.worker <run_dir>/spec.json` (with `--wait` after it when
-started ahead of its launch: launch/warm.py). It reports through
+started ahead of its launch: launch/warm_start.py). It reports through
 <run_dir>/events.jsonl (ablate/events.py), never through its exit code alone, so the job can tell
 an OOM from a crash without reading logs.
 """
@@ -25,7 +25,7 @@ from ablate.artifacts import dump_oom_snapshot
 from ablate.events import EventWriter
 from ablate.runner import run
 from ablate.techniques import Invalid
-from launch import warm
+from launch import warm_start
 
 
 def inject_fault(overrides: list[str], rank: int = 0) -> None:
@@ -96,7 +96,7 @@ if __name__ == "__main__":
     # SIGUSR1 writes every thread's Python stack to the log: the job sends it before it kills a
     # worker past timeout_s, so the timeout row can say where the worker was (launch/local.py).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    args = warm.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
+    args = warm_start.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
     code = main(args[0]) if args else 0
     sys.stdout.flush()
     sys.stderr.flush()

@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from analysis.cells import MEMORY
-from analysis.figure import (DPI, card, changed, family_file, is_status, num, on_device, plt, save, setting_names,
+from analysis.table_cells import MEMORY
+from analysis.plot_common import (DPI, card, changed, family_file, is_status, num, on_device, plt, save, setting_names,
                              skipped, table_order, wrap)
-from analysis.place import box, numbered, place
+from analysis.point_labels import box, numbered, place
 
 DIRECT = 6  # up to this many points (OOMs included) are named beside their markers; more are numbered
 # Final losses whose spread is below this fraction of the loss count as one: techniques that keep the

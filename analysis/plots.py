@@ -15,10 +15,10 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from analysis.compare import families, spelled, varies
-from analysis.figure import (DPI, as_text, family_file, is_status, num, on_device, plt, run_label, save,
+from analysis.plot_common import (DPI, as_text, family_file, is_status, num, on_device, plt, run_label, save,
                              setting_names, skipped, table_order, wrap)
 from analysis.pareto import pareto, pareto_front, pareto_jobs, paretos  # noqa: F401  (the report's plots, one import)
-from analysis.scan import batch_scan  # noqa: F401  (the report's plots, one import)
+from analysis.batch_scan import batch_scan  # noqa: F401  (the report's plots, one import)
 
 # (breakdown component, legend text), stacked in this order: what the model owns, then what training adds.
 COMPONENTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"),
@@ -185,7 +185,7 @@ def slowest_first(jobs: list) -> list[int]:
 def plot_jobs(df: pd.DataFrame, labels: list[str], out: str | Path, bases: pd.Series | None = None) -> list:
     """all_plots' plots as calls to make (functools.partial), in the report's order: each draws one
     figure of its own, so they can be drawn side by side (figure.drawn)."""
-    from analysis.where import module_breakdown  # reads the runs' memory_by_module.csv files
+    from analysis.module_memory import module_breakdown  # reads the runs' memory_by_module.csv files
 
     # One breakdown and one batch scan per family of comparable runs, as the Pareto plots: bars and
     # lines of different models side by side would carry the same labels ("Baseline" three times).

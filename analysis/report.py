@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from ablate.results import STATUSES
-from analysis import cells, compare, provenance, tables
+from analysis import compare, provenance, table_cells, tables
 from analysis.load import load
 
 TABLES = ("setting", "batch", "full")
@@ -208,7 +208,7 @@ def compare_runs(df: pd.DataFrame, args: argparse.Namespace) -> View:
 
 def tables_of(view: View, args: argparse.Namespace, out: Path) -> tuple[list[tuple[str, pd.DataFrame]], dict]:
     """(sections, the notes under their headings): the tables asked for, and the memory snapshots."""
-    from analysis.where import SNAPSHOT_NOTE, snapshot_table
+    from analysis.module_memory import SNAPSHOT_NOTE, snapshot_table
 
     parts = sections(view.df, view.labels, view.bases, tuple(args.table or TABLES), view.ladder, view.families)
     snapshots, notes = snapshot_table(view.df, view.labels, out), {}
@@ -221,13 +221,13 @@ def tables_of(view: View, args: argparse.Namespace, out: Path) -> tuple[list[tup
 def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
     """The files under `out` and the chosen format on stdout."""
     out.mkdir(parents=True, exist_ok=True)
-    from analysis.figure import drawn  # matplotlib only when plotting
+    from analysis.plot_common import drawn  # matplotlib only when plotting
     from analysis.plots import plot_jobs, slowest_first
 
     df, labels = view.df, view.labels
     jobs = plot_jobs(df, labels, out, view.bases)
     (parts, notes), images = drawn(jobs, lambda: tables_of(view, args, out), first=slowest_first(jobs))
-    footnote = cells.footnote(cells.on_cpu(df))
+    footnote = table_cells.footnote(table_cells.on_cpu(df))
     about = [f"- {name}: {value}" if name else f"\n{value}" for name, value in view.about]
     text = render(view.title, about, parts, labels, images, notes, footnote)
     (out / "report.md").write_text(text)

@@ -8,7 +8,7 @@ import pandas as pd
 
 from ablate.groups import REMOVABLE
 from ablate.schema import GROUPS
-from analysis.cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
+from analysis.table_cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
                             spread, time_delta, within_noise)
 from analysis.compare import BASELINE, do_nothing, set_away_from_default, spelled
 

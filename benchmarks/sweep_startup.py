@@ -6,7 +6,7 @@ runs the sweep below `--repeats` times (3) in each checkout (default: this one),
 and writes `<results>/<device>/sweep_startup.md`: per checkout, its commit, the medians of the sweep's
 wall time (this script's clock around the process), of the first point's `startup` (the worker's
 start left at its launch: the job started it while it predicted) and of the later points' (started
-while the point before finished: launch/warm.py), and of each point's time outside its measured steps.
+while the point before finished: launch/warm_start.py), and of each point's time outside its measured steps.
 Two checkouts (`--tree before=<worktree of the old commit> --tree after=.`) give a before and after.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Callable
 
 from ablate.events import EventReader, phase_seconds
 from ablate.spec import RunSpec
-from launch import warm
+from launch import warm_start
 from launch.nvml import NvmlSampler
 
 SPEC, LOG = "spec.json", "worker.log"  # in the run directory: what the worker runs, what it prints
@@ -228,26 +228,26 @@ def _one_point_here() -> bool:
 
 def prestart(spec: RunSpec, spec_path: Path) -> None:
     """A worker for the point's launch of spec_path (where `launch` writes it), waiting
-    (launch/warm.py): the one a point before started, else one started now. A submitit job's runs
+    (launch/warm_start.py): the one a point before started, else one started now. A submitit job's runs
     one point and is started as its launch, spec path and all, so that `ps` names the point (on a
     cluster the likeliest place to look for it); the sweep's own process starts one that gets it at
     the go, which any point of the same command and environment can take."""
     argv, _, extra = worker_command(spec)
-    warm.prestart([*argv, str(spec_path)] if _one_point_here() else argv, worker_env(extra), _die_with_parent)
+    warm_start.prestart([*argv, str(spec_path)] if _one_point_here() else argv, worker_env(extra), _die_with_parent)
 
 
 def _prestart_next(cmd: list[str], env: dict) -> None:
     """A worker for the next point's launch, if it is of the same command and environment, ready
-    when it comes (launch/warm.py); where this process has a next point."""
+    when it comes (launch/warm_start.py); where this process has a next point."""
     if not _one_point_here():
-        warm.prestart(cmd[:-1], env, _die_with_parent)
+        warm_start.prestart(cmd[:-1], env, _die_with_parent)
 
 
 def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
     """The waiting worker, where it serves this launch, else a new process; its output goes to
     `log`. (`cmd`'s last argument is the spec.json path: started without it, a waiting worker gets
     it at the go.)"""
-    ready = warm.take(cmd, [], env, log) or warm.take(cmd[:-1], cmd[-1:], env, log)
+    ready = warm_start.take(cmd, [], env, log) or warm_start.take(cmd[:-1], cmd[-1:], env, log)
     if ready:
         return ready
     with open(log, "w") as log_file:

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from ablate.events import EventWriter
-from launch import cpus, warm
+from launch import cpus, warm_start
 
 RDZV_PORT_BASE = 29400  # multi-node: port on the first node, offset by the SLURM job id
 
@@ -38,7 +38,7 @@ def rendezvous_args(nproc: int, nodes: int) -> list[str]:
 def threads_per_rank(nproc: int) -> int:
     """CPU threads for each of a node's `nproc` ranks: this process's CPUs shared out. torchrun
     would set OMP_NUM_THREADS=1, which makes every rank's host work serial: the model's initial
-    draws (ablate.model.normal_draws) and, under offload, the optimizer step that runs on the CPU."""
+    draws (ablate.models.gpt_module.normal_draws) and, under offload, the optimizer step that runs on the CPU."""
     return max(1, len(cpus.allowed()) // nproc)  # a SLURM allocation's, a gpu_pool point's share
 
 
@@ -60,5 +60,5 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    args = warm.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
+    args = warm_start.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
     sys.exit(main(args[0]) if args else 0)

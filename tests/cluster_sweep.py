@@ -27,11 +27,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ablate import job, results
-from ablate.claim import claimed
+from ablate.point_claim import claimed
 from ablate.console import Progress
 from ablate.predict import Prediction
 from ablate.schema import GROUPS, NON_SEMANTIC_KEYS, short_dirname
-from analysis.where import CATEGORIES
+from analysis.module_memory import CATEGORIES
 from launch.local import Outcome
 from tests.helpers import CONF  # helpers registers the config schema
 

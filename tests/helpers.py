@@ -64,7 +64,7 @@ def results_under(path: Path) -> list[dict]:
 
 def started_pids(path: Path) -> list[int]:
     """The pids of the workers that started under `path` (their "started" events): a worker
-    started ahead of its point has no point in its command line (launch/warm.py)."""
+    started ahead of its point has no point in its command line (launch/warm_start.py)."""
     return [json.loads(line)["pid"] for events in sorted(Path(path).rglob("events.jsonl"))
             for line in events.read_text().splitlines() if '"started"' in line]
 

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ablate.build import check_config
 from ablate.measure import traced_step
-from ablate.model import GPT, GPTConfig
+from ablate.models.gpt_module import GPT, GPTConfig
 from ablate.models.gpt import ADAPTER as GPT_ADAPTER
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.checkpoint import Layers

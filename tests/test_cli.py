@@ -198,7 +198,7 @@ def test_help_says_what_ablate_is_and_its_examples_are_valid_points():
         in lines
     # A line too long ends at a clause or a whole word, never inside one (was: "the other gpt* options cha...")
     from ablate.help import WIDTH, _first_sentence, option_line
-    assert option_line("model", "gpt2") == "ablate's own GPT-2 (ablate/model.py), 124M parameters"
+    assert option_line("model", "gpt2") == "ablate's own GPT-2 (ablate/models/gpt_module.py), 124M parameters"
     cut = _first_sentence(" ".join(f"word{i}" for i in range(40)))
     assert cut.endswith("...") and cut[:-3].split()[-1] in [f"word{i}" for i in range(40)]
     assert all(len(ln) <= WIDTH for ln in lines)

@@ -60,7 +60,7 @@ def test_hung_worker_times_out_and_leaves_no_process(tmp_path):
 
 
 def test_invalid_combination_is_a_row_and_runs_no_worker(tmp_path):
-    """Its worker, started ahead while the job validates (launch/warm.py), is killed unused and
+    """Its worker, started ahead while the job validates (launch/warm_start.py), is killed unused and
     leaves no log; no process of it remains."""
     proc = run_cli(["-m", "accumulation.steps=1,3", f"hydra.sweep.dir={tmp_path}/s"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -117,7 +117,7 @@ def _exit_status(job: subprocess.Popen, timeout: float = 60) -> int:
 
 def _workers_of(tmp_path) -> list:
     """The live workers of the points under tmp_path, by the pids their events name (a worker
-    started ahead has no point in its command line: launch/warm.py)."""
+    started ahead has no point in its command line: launch/warm_start.py)."""
     return [p for p in map(_process, started_pids(tmp_path)) if p is not None]
 
 

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ablate.schema import GROUPS, OVERLAYS, option_keys, options, unknown_key
 from helpers import ROOT, compose_config
-from launch.room import check_writable
+from launch.start_checks import check_writable
 
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "eval_steps", "samples", "seed", "compile", "device", "peak_tflops",
             "timeout_s", "alloc_conf", "gpu_memory_gib", "prune", "prune_margin", "find_batch", "predict",

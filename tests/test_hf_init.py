@@ -1,4 +1,4 @@
-"""Hugging Face models' initialisation drawn on torch's threads (ablate.model.DeferredNormals): the
+"""Hugging Face models' initialisation drawn on torch's threads (ablate.models.gpt_module.DeferredNormals): the
 same distributions as transformers' own serial init, values that do not depend on the thread count,
 and every other initialiser's effect kept where it touches a drawn tensor."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from ablate.model import DeferredNormals, on_meta
+from ablate.models.gpt_module import DeferredNormals, on_meta
 from tests.helpers import compose_config
 from tests.test_families import PUBLISHED, tiny
 

@@ -14,7 +14,7 @@ from ablate.data import Synthetic
 from ablate.train import train_step
 from analysis.load import load
 from analysis.report import main
-from analysis.where import SNAPSHOT_NOTE, folded, own_shares
+from analysis.module_memory import SNAPSHOT_NOTE, folded, own_shares
 from helpers import run_cli, train_nano
 
 
@@ -88,8 +88,8 @@ def test_each_panel_is_named_as_the_setting_table_names_its_run(point, tmp_path,
 
     from analysis.compare import varied
     from analysis.load import load
-    from analysis import where
-    from analysis.where import module_breakdown
+    from analysis import module_memory
+    from analysis.module_memory import module_breakdown
 
     _, run_dir = point
     titles, set_title = [], matplotlib.axes.Axes.set_title
@@ -101,11 +101,11 @@ def test_each_panel_is_named_as_the_setting_table_names_its_run(point, tmp_path,
     # title would run into its neighbour's, so the name wraps within TITLE_WIDTH
     long = ("+ 8-bit AdamW + Pure bf16 + Block recompute + Activation offload + Chunked cross-entropy "
             "+ 8 GiB card (emulated) + Optimizer step in backward")
-    monkeypatch.setattr(where, "setting_names", lambda df, *a: pd.Series(long, index=df.index))
+    monkeypatch.setattr(module_memory, "setting_names", lambda df, *a: pd.Series(long, index=df.index))
     titles.clear()
     assert module_breakdown(df, varied(df), tmp_path) is not None
     name = titles[0].rsplit("\n", 1)[0]
-    assert name.replace("\n", " ") == long and max(map(len, name.split("\n"))) <= where.TITLE_WIDTH, titles
+    assert name.replace("\n", " ") == long and max(map(len, name.split("\n"))) <= module_memory.TITLE_WIDTH, titles
 
 
 def test_a_row_naming_a_snapshot_is_linked_with_how_to_open_it(tmp_path):

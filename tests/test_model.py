@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ablate.model import GPT, SIZES, GPTConfig, on_meta
+from ablate.models.gpt_module import GPT, SIZES, GPTConfig, on_meta
 from helpers import FAST, ROOT, compose_config, results_under, run_cli
 
 # GPT-2's published parameter counts (tied embeddings, vocab 50257, 1024 positions).
@@ -37,7 +37,7 @@ def test_a_model_on_meta_has_the_real_shapes_and_skips_the_initialisers():
     assert real.transformer.wte.weight.std() > 0  # outside, the initialisers run as before
     # Why skip them: on meta they go through torch._refs, which imports torch._dynamo (~1 s). A
     # fresh process, since this one may have imported it already.
-    code = ("import sys; from ablate.model import GPT, GPTConfig, on_meta\n"
+    code = ("import sys; from ablate.models.gpt_module import GPT, GPTConfig, on_meta\n"
             "with on_meta(): GPT(GPTConfig(2, 2, 32))\n"
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 
 from ablate.build import check_config
 from ablate.measure import StepCounter, traced_step
-from ablate.model import GPT, GPTConfig
+from ablate.models.gpt_module import GPT, GPTConfig
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.optimizer import SGD, Adafactor, AdamW, AdamW8bit, InBackward
 from helpers import ROOT, compose_config, compose_spec, train_nano

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 
 from ablate import results
-from analysis import compare, figure, pareto, plots, tables
+from analysis import compare, plot_common, pareto, plots, tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NAN = float("nan")
@@ -140,13 +140,13 @@ def test_a_plan_that_ran_nothing_gets_its_predicted_batch_scan(runs, tmp_path):
 
 
 def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_several(runs):
-    assert figure.card(runs) is None  # CPU runs: no card
+    assert plot_common.card(runs) is None  # CPU runs: no card
     h100 = runs.assign(env_gpu_total_mib=81559.0)
-    assert figure.card(h100) == (81559.0, "GPU memory (81,559 MiB)")
+    assert plot_common.card(h100) == (81559.0, "GPU memory (81,559 MiB)")
     # a plan has no worker to report env: gpu_memory_gib alone names the card
-    assert figure.card(runs.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
-    assert figure.card(h100.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
-    assert figure.card(h100.assign(gpu_memory_gib=[16.0, 24.0] * 3)) is None  # two cards: no one line
+    assert plot_common.card(runs.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
+    assert plot_common.card(h100.assign(gpu_memory_gib=16.0)) == (16384.0, "16 GiB card (emulated)")
+    assert plot_common.card(h100.assign(gpu_memory_gib=[16.0, 24.0] * 3)) is None  # two cards: no one line
     # the pareto plot's OOM line on an emulated card sits at that card, not at the whole H100
     peaks = runs["peak_allocated_mib"]
     half = h100.assign(gpu_memory_gib=0.5)
@@ -154,7 +154,7 @@ def test_the_card_is_the_emulated_one_else_the_gpu_and_none_when_rows_span_sever
     # gpu_memory_gib=8,null: the OOMs came on the 8 GiB card, the other runs had the whole GPU (the
     # line sits at the card, not just past the uncapped baseline labelled as a capacity)
     mixed = h100.assign(gpu_memory_gib=[8.0, NAN] * 3)
-    assert figure.card(mixed) is None
+    assert plot_common.card(mixed) is None
     assert pareto._capacity(mixed, mixed.iloc[::2], peaks) == (8192.0, "OOM: 8 GiB card (emulated)")
     assert pareto._capacity(runs, runs, peaks) == (1.05 * peaks.max(), "OOM (card unknown)")  # CPU rows
 
@@ -249,7 +249,7 @@ def test_runs_whose_option_lacks_a_labelled_key_stay_in_the_plots(runs):
     df = runs.assign(**{"optimizer.momentum": [None if o == "adamw" else "0.9" for o in runs["optimizer"]],
                         "checkpoint.types": [None] * 4 + ["gelu", None]})  # sgd at 16 recomputes GELUs
     ok = df[df["status"] == "ok"]
-    series = dict(figure.series(ok, ["optimizer", "optimizer.momentum"]))
+    series = dict(plot_common.series(ok, ["optimizer", "optimizer.momentum"]))
     assert sorted(series) == ["adamw", "sgd / 0.9"] and len(series["adamw"]) == 2
     # an optimizer's own key belongs to the optimizer: runs differing in both still share a plot
     group = plots.loss_group(df, ["optimizer", "optimizer.momentum", "checkpoint.types", "batch_size"])
@@ -395,7 +395,7 @@ def test_pareto_names_points_as_the_setting_table_does(rendered, n):
     df = _sweep(n)
     labels, bases = compare.varied(df), compare.baselines(df, compare.varied(df), None)
     named = {i: tables.setting_label(row, df.loc[bases[i]], labels) for i, row in df.iterrows()}
-    ok, oom = df.index[df["status"] == "ok"], df.index[(df["status"] == "oom") & ~figure.skipped(df)]
+    ok, oom = df.index[df["status"] == "ok"], df.index[(df["status"] == "oom") & ~plot_common.skipped(df)]
     _, fig, _ = rendered("pareto", n)
     notes = [_flat(t.get_text()) for t in fig.axes[0].texts]
     key = [_flat(t.get_text()) for t in fig.legends[0].get_texts()]
@@ -453,7 +453,7 @@ def test_loss_curves_start_at_the_first_measured_step_and_name_the_runs_left_out
     curves = df[(df["status"] == "ok") & df["losses"].notna()]
     differ = [c.replace("_", " ") for c in labels if c not in ("optimizer", "precision")
               and (curves.drop(group.index)[c].astype(str) != str(group[c].iloc[0])).any()]
-    failed = df["status"].where(~figure.skipped(df), "not run")[df["status"] != "ok"].value_counts()
+    failed = df["status"].where(~plot_common.skipped(df), "not run")[df["status"] != "ok"].value_counts()
     title = _flat(ax.get_title())
     assert f"not shown: {len(curves) - len(group)} runs that differ in {' / '.join(differ)}" in title
     assert f"{failed.sum()} without a loss curve ({', '.join(f'{k} {s}' for s, k in failed.items())})" in title

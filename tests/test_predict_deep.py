@@ -9,7 +9,7 @@ import itertools
 import pytest
 from hydra.utils import instantiate
 
-from ablate import model as gpt_model
+from ablate.models import gpt_module as gpt_model
 from ablate.outcome import validate
 from ablate.models import ParamLayout
 from ablate.models.gpt import GPT2

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ablate import measure
 from ablate.build import build_model, build_optimizer, check_config
-from ablate.model import GPT
+from ablate.models.gpt_module import GPT
 from ablate.predict.trace import Untraceable, trace
 from ablate.train import train_step
 from tests.helpers import compose_config, compose_spec, hf_toy, results_under, run_cli

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from ablate import results
-from analysis import compare, figure, tables
+from analysis import compare, plot_common, tables
 from analysis.load import load
 from analysis.report import main
 from helpers import ROOT
@@ -227,7 +227,7 @@ def test_baseline_values_match_as_the_command_line_spells_them(tmp_path):
     with pytest.raises(ValueError, match="gpu_memory_gib is one of 8, null$"):
         compare._matching(df, [], {"gpu_memory_gib": "6"})
     assert compare.spelled("none") == "none" and compare.spelled(0.5) == "0.5"  # an option named none stays one
-    labels = {r["run_id"]: figure.run_label(r, ["gpu_memory_gib"]) for _, r in df.iterrows()}
+    labels = {r["run_id"]: plot_common.run_label(r, ["gpu_memory_gib"]) for _, r in df.iterrows()}
     assert labels == {"capped": "8", "whole": "null", "lean": "8"}  # a plot's or snapshot table's run name
     full = tables.full(df, ["gpu_memory_gib", "compile"], 0).set_axis(df["run_id"])
     assert full.loc[["capped", "whole", "lean"], "gpu_memory_gib"].tolist() == ["8", "null", "8"]  # not 8.0 and ""

@@ -7,8 +7,8 @@ import pandas as pd
 import yaml
 
 from ablate import results
-from analysis import cells
-from analysis.figure import family_file
+from analysis import table_cells
+from analysis.plot_common import family_file
 from analysis.report import main
 
 CHOICES = {"model": "gpt-nano", "data": "synthetic", "optimizer": "adamw", "precision": "fp32", "accumulation": "none",
@@ -86,11 +86,11 @@ def test_a_time_delta_inside_the_runs_spread_is_marked_as_noise(tmp_path):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[2:]}
     header = [c.strip() for c in table.splitlines()[0].split("|")[2:-1]]
     at = {h: i for i, h in enumerate(header)}
-    assert rows["+ TF32"][at["Δ time vs baseline"]] == cells.NOISE
+    assert rows["+ TF32"][at["Δ time vs baseline"]] == table_cells.NOISE
     assert rows["+ TF32"][at["Iteration p10–p90 (ms)"]] == "30.0–60.0"
     assert rows["+ TF32 + Block recompute"][at["Δ time vs baseline"]] == "+200.0%"  # 150 vs 40–90: real
     assert rows["+ Block recompute"][at["Δ memory vs baseline"]] == "-40.0%"  # memory is never noise-marked
-    assert f"{cells.NOISE} in a Δ time column: one run's median iteration time lies inside the other's" in md
+    assert f"{table_cells.NOISE} in a Δ time column: one run's median iteration time lies inside the other's" in md
 
 
 def test_the_report_opens_with_device_torch_commit_date_and_command(tmp_path):
@@ -134,10 +134,10 @@ def test_a_cpu_report_names_its_memory_traced_and_its_flops_readable(tmp_path):
 
 def test_a_gpu_report_keeps_the_published_headings():
     gpu = pd.DataFrame({"env_torch": ["2.11.0"], "env_gpu_name": ["NVIDIA H100 80GB HBM3"], "device": ["auto"]})
-    assert cells.memory_heading(gpu) == "GPU Memory Peak (MiB)"
-    assert cells.flops(pd.Series([312.4]))[0] == "TFLOP/s"
+    assert table_cells.memory_heading(gpu) == "GPU Memory Peak (MiB)"
+    assert table_cells.flops(pd.Series([312.4]))[0] == "TFLOP/s"
     plan = pd.DataFrame({"env_torch": [None], "env_gpu_name": [None], "device": ["cuda"]})  # predict_only for a GPU
-    assert cells.memory_heading(plan) == "GPU Memory Peak (MiB)"
+    assert table_cells.memory_heading(plan) == "GPU Memory Peak (MiB)"
 
 
 def test_ladder_on_runs_that_are_not_a_ladder_says_so(tmp_path, capsys):
@@ -214,7 +214,7 @@ def test_a_time_delta_of_runs_that_timed_two_steps_is_noise(tmp_path):
     table = md.split("## Setting\n\n", 1)[1].split("\n\n", 1)[0]
     sgd = next(line for line in table.splitlines() if line.startswith("| + SGD"))
     header = [c.strip() for c in table.splitlines()[0].split("|")[2:-1]]
-    assert [c.strip() for c in sgd.split("|")[2:-1]][header.index("Δ time vs baseline")] == cells.NOISE
+    assert [c.strip() for c in sgd.split("|")[2:-1]][header.index("Δ time vs baseline")] == table_cells.NOISE
     assert "or one of them timed fewer than 5 steps" in md
 
 

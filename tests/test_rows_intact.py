@@ -108,13 +108,13 @@ def test_two_sweeps_into_one_directory_run_each_point_once(tmp_path):
 
 
 def test_a_claimed_point_waits_for_its_holder_and_says_who(tmp_path):
-    from ablate.claim import claimed
+    from ablate.point_claim import claimed
 
     lock = tmp_path / "index" / "abc.claim"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from ablate.claim import claimed
+        from ablate.point_claim import claimed
         with claimed(Path({str(lock)!r}), print):
             print("held", flush=True)
             sys.stdin.readline()
@@ -137,10 +137,10 @@ def test_a_claimed_point_waits_for_its_holder_and_says_who(tmp_path):
 
 
 def test_a_dead_holders_claim_is_free(tmp_path):
-    from ablate.claim import claimed
+    from ablate.point_claim import claimed
 
     lock = tmp_path / "abc.claim"
-    code = f"import os; from pathlib import Path; from ablate.claim import claimed\n" \
+    code = f"import os; from pathlib import Path; from ablate.point_claim import claimed\n" \
            f"with claimed(Path({str(lock)!r}), print): os._exit(9)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 9
     heard = []

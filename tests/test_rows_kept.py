@@ -26,7 +26,7 @@ from ablate.schema import unknown_key
 from ablate.techniques import Invalid
 from analysis.report import main as report
 from helpers import FAST, ROOT, compose_spec, results_under, run_cli
-from launch import local, warm
+from launch import local, warm_start
 
 DIVERGES = "optimizer.lr=1e6"  # AdamW at this rate makes the weights NaN within two steps
 
@@ -221,10 +221,10 @@ def test_a_broken_index_entry_is_named_replaced_and_its_point_run_again(tmp_path
 def test_a_worker_that_cannot_be_started_is_a_launch_failed_row(tmp_path, monkeypatch, code):
     def no_process(*args, **kwargs):
         raise OSError(code, os.strerror(code))
-    monkeypatch.setattr(warm.subprocess, "Popen", no_process)
+    monkeypatch.setattr(warm_start.subprocess, "Popen", no_process)
     monkeypatch.setattr(local.subprocess, "Popen", no_process)
     spec = compose_spec(FAST)
-    warm.prestart([sys.executable, "-m", "ablate.worker"], dict(os.environ))  # no head start, and no raise
+    warm_start.prestart([sys.executable, "-m", "ablate.worker"], dict(os.environ))  # no head start, and no raise
     got = outcome.run_once(spec, tmp_path, [], Progress("p"))
     assert got.status == "error" and got.reason.startswith("launch failed: ") and os.strerror(code) in got.reason
 

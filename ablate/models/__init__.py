@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ablate.model import on_meta
+from ablate.models.gpt_module import on_meta
 from ablate.techniques import Option, Unmodelled
 
 
@@ -212,7 +212,7 @@ class Family(Option, abc.ABC):
 
     def constants(self) -> nn.Module:
         """The model built for real on the host: the values its modules set in their own `__init__`,
-        which a build on meta lacks (ablate/models/unset.py). Its random draws are made on a copy of
+        which a build on meta lacks (ablate/models/meta_constants.py). Its random draws are made on a copy of
         the random state, so the caller's draws stay as they were."""
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             return self.build()

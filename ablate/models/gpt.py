@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ablate.model import GPT, GPTConfig
+from ablate.models.gpt_module import GPT, GPTConfig
 from ablate.models import MAX_LAYERS, Adapter, Family, weights
 from ablate.techniques import Invalid, Plan
 
@@ -23,7 +23,7 @@ ADAPTER = Adapter(layers="transformer.h", attention="attn", mlp="mlp", norms=(nn
 
 
 class GPT2(Family):
-    """ablate's GPT-2 (ablate/model.py): n_layer blocks of n_head heads over n_embd, a learned
+    """ablate's GPT-2 (ablate/models/gpt_module.py): n_layer blocks of n_head heads over n_embd, a learned
     position embedding of block_size, the LM head tied to the token embedding."""
 
     def __init__(self, name: str, n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ablate.model import DeferredNormals
+from ablate.models.gpt_module import DeferredNormals
 from ablate.models import MAX_LAYERS, Adapter, Family, lm_loss, weights
 from ablate.models.hf_adapter import _transformers, find_adapter
 from ablate.models.hf_toy import head_is_not_plain

@@ -19,7 +19,7 @@ sizes: MemTracker cannot follow it, but the gpt2-xl FSDP1 batch scan's allocator
 1.6% of them (benchmarks/results/NVIDIA-H100-80GB-HBM3/repredict.md).
 
 The sizes are played through one step as a timeline of allocations and frees
-(ablate/predict/timeline.py; the head and the loss in ablate/predict/loss_play.py), so the peak lands
+(ablate/predict/timeline.py; the head and the loss in ablate/predict/head_and_loss.py), so the peak lands
 where the real one does.
 """
 from __future__ import annotations

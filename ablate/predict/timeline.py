@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ablate.predict.loss_play import LossPlay
+from ablate.predict.head_and_loss import LossPlay
 from ablate.techniques import Unmodelled  # noqa: F401  (the predictor's callers import it from here)
 
 if TYPE_CHECKING:

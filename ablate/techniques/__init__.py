@@ -66,7 +66,7 @@ def require_fp8_gpu(plan: Plan, key: str) -> None:
         raise Invalid(f"{key} needs {FP8_GPU}; device={plan.device} has none")
     # Here, not at the top: the command line's key check (ablate/keytypes.py) imports Invalid from
     # this package before any point runs, and a torch imported there (2 s on 2 cores) would be in
-    # the CLI's path instead of beside the prestarted worker's import (launch/warm.py).
+    # the CLI's path instead of beside the prestarted worker's import (launch/warm_start.py).
     import torch
 
     if plan.device == "cuda" and torch.cuda.get_device_capability() < (8, 9):

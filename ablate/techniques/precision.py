@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ablate.model import on_meta
-from ablate.models.unset import initialise
+from ablate.models.gpt_module import on_meta
+from ablate.models.meta_constants import initialise
 from ablate.techniques import Invalid, Option, Plan, require_fp8_gpu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,7 +79,7 @@ class Precision(Option):
 
 def _initialised(model: nn.Module, device: torch.device, constants: Callable[[], nn.Module]) -> nn.Module:
     """A meta model given storage on `device` and its initial values there; a value no
-    initialiser writes (a module's own constant) comes from `constants()` (ablate/models/unset.py)."""
+    initialiser writes (a module's own constant) comes from `constants()` (ablate/models/meta_constants.py)."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives every parameter new storage, which unties shared ones
     initialise(model, model.reset_parameters, constants)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.figure import on_device, plt, run_label, save, setting_names, wrap
+from analysis.plot_common import on_device, plt, run_label, save, setting_names, wrap
 
 TOP = 10  # modules per run
 MAX_RUNS = 8  # panels: the first runs in the report's order (a seven-rung ladder whole)

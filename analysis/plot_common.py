@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ablate.results import not_run  # noqa: E402
-from analysis import compare, tables  # noqa: E402
+from analysis import compare, tables# noqa: E402
 
 DPI = 150
 

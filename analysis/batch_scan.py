@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.cells import MEMORY, flops
+from analysis.table_cells import MEMORY, flops
 from analysis.compare import spelled
-from analysis.figure import (DPI, baselines, card, change_name, changed, family_file, is_status, num, on_device,
+from analysis.plot_common import (DPI, baselines, card, change_name, changed, family_file, is_status, num, on_device,
                              plt, save, series, skipped, wrap)
-from analysis.place import drop_crowded, thin_ticks
+from analysis.point_labels import drop_crowded, thin_ticks
 
 NAME_WIDTH = 48  # characters per line of a run's name in a legend
 # (marker, line style) per ten series, tab10's colours repeating within each: 40 series stay apart
