@@ -195,8 +195,7 @@ def test_a_batch_search_stops_at_an_unmeasured_probe(tmp_path):
     probes = []
 
     def run(spec, where):
-        probes.append(spec.batch_size // spec.groups["accumulation"]["steps"] if spec.groups["accumulation"].get("steps")
-                      else spec.batch_size)
+        probes.append(where)
         return Outcome("error", f"{results.UNMEASURED} the host refused 10 MiB under ulimit -v of 100 MiB")
     out = find_batch.measured(compose_spec([*FAST, "batch_size=8"]), None, tmp_path, run)
     assert out.status == "error" and out.reason.startswith(results.UNMEASURED) and len(probes) == 1
