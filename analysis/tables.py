@@ -2,38 +2,36 @@
 "OOM" / "invalid" / ... cells, never dropped rows). analysis/report.py prints and writes them."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pandas as pd
 
 from ablate.groups import REMOVABLE
-from ablate.schema import GROUPS
+from ablate.schema import GROUPS, built_option
 from analysis.table_cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
                             spread, time_delta, within_noise)
 from analysis.compare import BASELINE, do_nothing, set_away_from_default, spelled
 
-NAMES = {
-    ("checkpoint", "block"): "Block recompute", ("checkpoint", "every2"): "Recompute every 2nd block",
-    ("checkpoint", "attention"): "Attention recompute", ("checkpoint", "mlp"): "MLP recompute",
-    ("checkpoint", "ops"): "Selective op recompute", ("checkpoint", "layers"): "Layer-type recompute",
-    ("optimizer", "adamw"): "AdamW", ("optimizer", "adamw_forloop"): "AdamW for-loop",
-    ("optimizer", "adamw_foreach"): "AdamW foreach", ("optimizer", "adamw_fused"): "AdamW fused",
-    ("optimizer", "sgd"): "SGD", ("optimizer", "adafactor"): "Adafactor", ("optimizer", "adamw8bit"): "8-bit AdamW",
-    ("optimizer", "adamw8bit_ao"): "8-bit AdamW (torchao)", ("optimizer", "adamw4bit"): "4-bit AdamW",
-    ("optimizer", "adamw_fp8"): "fp8-state AdamW", ("loss", "chunked"): "Chunked cross-entropy",
-    ("loss", "fused"): "Fused cross-entropy",
-    ("precision", "fp32"): "fp32", ("precision", "tf32"): "TF32", ("precision", "fp16"): "fp16 AMP",
-    ("precision", "bf16"): "bf16 AMP", ("precision", "bf16_pure"): "Pure bf16",
-    ("offload", "activations"): "Activation offload", ("offload", "optimizer"): "Optimizer offload",
-    ("offload", "params"): "Parameter offload",
-    # option keys ("group.key") a preset varies on their own
-    ("optimizer.in_backward", "True"): "Optimizer step in backward",
-    ("parallel.backward_prefetch", "pre"): "Backward prefetch (pre)",
-    ("parallel.backward_prefetch", "post"): "Backward prefetch (post)",
-    ("parallel.gradient_as_bucket_view", "True"): "Gradients as bucket views",
-    ("parallel.sync_each_micro_step", "False"): "Gradient sync on the last micro-step only",
-    ("parallel.sync_each_micro_step", "True"): "Gradient sync every micro-step",
-}
+def label(col: str, value) -> str:
+    """The report's name for a group's option ("Block recompute") or for an option key set on its
+    own in a preset ("Optimizer step in backward"): the option class's `label` and `key_labels`
+    (ablate/techniques/); `col=value` for one that has none."""
+    return _label(col, str(value))
+
+
+def key_label(row: pd.Series, col: str) -> str:
+    group, key = col.split(".", 1)
+    option = built_option(group, str(row[group])) if pd.notna(row.get(group)) else None
+    return getattr(option, "key_labels", {}).get((key, str(row[col])), f"{col}={row[col]}")
+
+
+@functools.cache
+def _label(col: str, value: str) -> str:
+    option = built_option(col, value) if col in GROUPS else None
+    return getattr(option, "label", "") or f"{col}={value}"
+
+
 # Groups whose do-nothing option is the absence of a technique (leaving one is a removal): ablate/groups.py.
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'.
@@ -65,12 +63,14 @@ def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
             world = row.get("env_world_size")
             world = world if pd.notna(world) else row.get("parallel.nproc")  # an invalid row never ran
             n = int(float(world)) if _number(world) else None
-            parts.append(f"{str(row[col]).upper()} ({n} process{'es' if n != 1 else ''})" if n
-                         else str(row[col]).upper())
-        elif col == "checkpoint.types" and parts and parts[-1] == NAMES[("checkpoint", "layers")]:
+            name = label(col, row[col])
+            parts.append(f"{name} ({n} process{'es' if n != 1 else ''})" if n else name)
+        elif col == "checkpoint.types" and parts and parts[-1] == label("checkpoint", "layers"):
             parts[-1] += f" ({row[col].replace(',', ', ')})"  # "Layer-type recompute (layernorm, gelu)"
-        elif col in GROUPS or "." in col:
-            parts.append(NAMES.get((col, row[col]), f"{col}={row[col]}"))
+        elif col in GROUPS:
+            parts.append(label(col, row[col]))
+        elif "." in col:
+            parts.append(key_label(row, col))
         elif col == "compile":
             parts.append("torch.compile" if str(row[col]) == "True" else "no torch.compile")
         elif col == "gpu_memory_gib":

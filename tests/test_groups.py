@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import pandas as pd
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -13,7 +14,7 @@ from ablate import build, groups
 from ablate.build import Techniques
 from ablate.groups import GROUPS, OFF, TECHNIQUE_GROUPS
 from ablate.predict.analytic import analytic
-from ablate.schema import OVERLAYS, Config, options
+from ablate.schema import OVERLAYS, Config, built_option, options
 from ablate.techniques import Option, Unmodelled
 from ablate.techniques.optimizer import TorchOptimizer
 from analysis import compare, load, tables
@@ -34,6 +35,25 @@ def test_each_technique_groups_default_is_its_do_nothing_option_and_its_referenc
         if g.off is not None:
             assert defaults[g.name] == g.off, f"{g.name}'s default is {defaults[g.name]}, its off option {g.off}"
             assert {g.off, *g.fallback} <= set(options(g.name)), g.name
+
+
+def test_every_technique_option_names_itself_for_the_report_and_no_two_alike():
+    for group in TECHNIQUE_GROUPS:
+        labels = {option: tables.label(group, option) for option in options(group)}
+        for option, text in labels.items():
+            assert built_option(group, option) is not None, f"conf/{group}/{option}.yaml does not build"
+            assert text and text != f"{group}={option}", f"{group}={option} has no label"
+        assert len(set(labels.values())) == len(labels), f"two options of {group} share a label: {labels}"
+
+
+def test_an_option_key_set_on_its_own_is_named_by_its_option_class():
+    row = pd.Series({"optimizer": "adamw8bit", "optimizer.in_backward": True, "parallel": "fsdp1",
+                     "parallel.backward_prefetch": "post", "parallel.nproc": 2})
+    assert tables.key_label(row, "optimizer.in_backward") == "Optimizer step in backward"
+    assert tables.key_label(row, "parallel.backward_prefetch") == "Backward prefetch (post)"
+    assert tables.key_label(row, "parallel.nproc") == "parallel.nproc=2"  # no name of its own
+    assert tables.label("checkpoint", "every2") == "Recompute every 2nd block"
+    assert tables.label("checkpoint", "no_such_option") == "checkpoint=no_such_option"  # an older row's
 
 
 def test_the_schema_the_build_and_the_report_read_their_groups_from_the_registry():

@@ -38,6 +38,14 @@ class Plan:
 
 
 class Option:
+    # The report's name for this option ("Block recompute", "8-bit AdamW"): a setting's label in
+    # analysis/tables.py is the labels of what it changes. An option whose name depends on its keys
+    # makes this a property.
+    label = ""
+    # The report's names for this option's keys set on their own in a preset: {(key, value as
+    # text): name}, e.g. {("in_backward", "True"): "Optimizer step in backward"}.
+    key_labels: dict[tuple[str, str], str] = {}
+
     # True where all this option changes in memory is the parameters change_params leaves, which the
     # analytic predictor reads off its meta model: then its group needs no memory model of its own.
     memory_in_params = False

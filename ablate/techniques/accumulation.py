@@ -16,6 +16,10 @@ class Accumulation(Option):
     def __init__(self, steps: int = 1):
         self.steps = steps
 
+    @property
+    def label(self) -> str:  # the report writes the micro-batch split beside it, from the row's batch size
+        return f"Gradient accumulation ({self.steps} steps)" if self.steps > 1 else "No gradient accumulation"
+
     def check(self, plan: Plan) -> None:
         if self.steps < 1:
             raise Invalid(f"accumulation.steps={self.steps} must be >= 1")

@@ -30,6 +30,7 @@ from ablate.techniques import Invalid, Option, Plan
 class NoCheckpoint(Option):
     """Store every activation for backward: fastest, most activation memory."""
 
+    label = "No recompute"
     recompute_fraction = 0.0  # share of the forward pass run again in backward (for HFU)
     # The analytic predictor's questions (ablate/predict/layers.py, analytic.py):
     recompute_with_mlp = True  # a layer's recompute is alive during its MLP's backward (else after it)
@@ -73,6 +74,14 @@ class Blocks(_Recompute):
     def __init__(self, every_n: int = 1):
         self.every_n = every_n
 
+    @property
+    def label(self) -> str:
+        if self.every_n == 1:
+            return "Block recompute"
+        n = self.every_n
+        nth = {1: "st", 2: "nd", 3: "rd"}.get(n % 10 if n % 100 not in (11, 12, 13) else 0, "th")
+        return f"Recompute every {n}{nth} block"
+
     def check(self, plan: Plan) -> None:
         if self.every_n < 1:
             raise Invalid(f"checkpoint.every_n={self.every_n} must be >= 1")
@@ -95,6 +104,10 @@ class Sublayer(_Recompute):
 
     def __init__(self, part: str = "mlp"):
         self.part = part
+
+    @property
+    def label(self) -> str:
+        return {"attn": "Attention recompute", "mlp": "MLP recompute"}.get(self.part, f"{self.part} recompute")
 
     @property
     def recompute_with_mlp(self) -> bool:
@@ -143,6 +156,8 @@ class SelectiveOps(_Recompute):
     e.g. the (B, T, 4C) GELU output and the LayerNorm outputs. Spends: only cheap pointwise
     recompute, so recompute_fraction is ~0 (no matmul runs twice)."""
 
+    label = "Selective op recompute"
+
     def kept(self, index: int, full: float, parts: dict) -> float:
         return parts["matmul"]  # matmul and SDPA outputs kept; norms, adds, activations recomputed
 
@@ -177,6 +192,7 @@ class Layers(_Recompute):
     attention's q, k, v and SDPA output). Spends: one more forward of each. A lone Linear saves
     only its input and weight, which the wrapper keeps anyway: wrapping it saves nothing."""
 
+    label = "Layer-type recompute"  # the report adds the types: "(layernorm, gelu)"
     recompute_with_mlp = False
 
     def __init__(self, types: Sequence[str] = ("layernorm", "gelu", "linear", "attention")):

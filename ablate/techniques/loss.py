@@ -17,6 +17,7 @@ class Standard(Option):
     """The model's own head over the whole batch: (B, T, vocab) logits, their fp32 copy and the
     log-softmax (kept for backward) all alive at once, then two gradients of that size in backward."""
 
+    label = "Standard cross-entropy"
     chunks = 1  # what the predictor reads: the logits exist whole
     from_hidden = False  # the model's own logits, not its hidden states and head
     recompute_fraction = 0.0  # share of the forward's matmul FLOPs run again in backward (for HFU)
@@ -38,6 +39,7 @@ class Chunked(Standard):
     states and its head (`model.loss_fn`), so it works for every family whose head is a plain
     linear layer."""
 
+    label = "Chunked cross-entropy"
     from_hidden = True
 
     def __init__(self, chunks: int = 8):
@@ -147,6 +149,8 @@ class Fused(Chunked):
     precision=fp16 the gradients would be made before the GradScaler scales the loss, where
     fp16's range flushes the small ones to zero: loss=chunked there. Without grad mode (eval) it
     makes no gradient."""
+
+    label = "Fused cross-entropy"
 
     def check(self, plan: Plan) -> None:
         super().check(plan)

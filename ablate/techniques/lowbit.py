@@ -95,6 +95,8 @@ class AdamW4bit(LowBitAdamW):
     """torchao.optim.AdamW4bit: 4-bit codes, two per byte, so 0.5 bytes/param per state, plus 4 bytes
     per `block_size` (128: 0.03 bytes/param) of scale: about 1.06 bytes/param instead of AdamW's 8."""
 
+    label = "4-bit AdamW"
+
     name, torchao_class = "adamw4bit", "AdamW4bit"
     code_bytes, qmap, compiled_temp = 0.5, 16, 26
 
@@ -112,6 +114,8 @@ class AdamW8bitAO(LowBitAdamW):
     """torchao.optim.AdamW8bit: 1 byte/param per state plus 4 bytes per `block_size` (256: 0.016
     bytes/param) of scale: about 2.03 bytes/param instead of 8. Pure PyTorch, unlike bitsandbytes'."""
 
+    label = "8-bit AdamW (torchao)"
+
     name, torchao_class = "adamw8bit_ao", "AdamW8bit"
     code_bytes, qmap, compiled_temp = 1.0, 256, 8
 
@@ -123,6 +127,8 @@ class AdamW8bitAO(LowBitAdamW):
 class AdamWFp8(LowBitAdamW):
     """torchao.optim.AdamWFp8: float8_e4m3fn states, 1 byte/param each, plus 4 bytes per `block_size`
     (256) of scale: about 2.03 bytes/param instead of 8. Needs fp8 conversions in hardware."""
+
+    label = "fp8-state AdamW"
 
     name, torchao_class = "adamw_fp8", "AdamWFp8"  # Triton's fp8e4m3 conversions need sm89
     code_bytes, qmap, compiled_temp = 1.0, 0, 2

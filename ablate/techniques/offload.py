@@ -13,6 +13,7 @@ from ablate.techniques import Invalid, Option, Plan
 class NoOffload(Option):
     """Keep activations, parameters and optimizer states on the training device."""
 
+    label = "No offload"
     shards_params = False  # whether parameters become FSDP's DTensor shards, even in one process
     # Where the analytic predictor (ablate/predict/analytic.py) puts the bytes: on the host, off the
     # training device (on a CPU the host is the device, and nothing moves).
@@ -40,6 +41,7 @@ class Activations(NoOffload):
     (torch.autograd.graph.save_on_cpu, pinned on CUDA so the copies are asynchronous).
     Saves: nearly all activation memory on the device. Spends: two PCIe transfers per tensor, host RAM."""
 
+    label = "Activation offload"
     activations_on_host = True
 
     def context(self, device_type: str) -> contextlib.AbstractContextManager:
@@ -51,6 +53,7 @@ class OptimizerState(NoOffload):
     optimizer step on the CPU (torchao's CPUOffloadOptimizer). Saves: 8 bytes/param of AdamW state
     on the device (+4 with gradients). Spends: device<->host copies of grads and params each step."""
 
+    label = "Optimizer offload"
     states_on_host = True
 
     def __init__(self, gradients: bool = False):
@@ -89,6 +92,7 @@ class Params(NoOffload):
     With parallel=fsdp it is FSDP's own offload. With parallel=single, one process is FSDP over a
     process group of one rank (`place`): the same streaming, nothing to shard with."""
 
+    label = "Parameter offload"
     shards_params = params_on_host = fsdp_mixed_precision = True
 
     def check(self, plan: Plan) -> None:

@@ -68,6 +68,7 @@ class TorchOptimizer(Option, abc.ABC):
     """Base: subclasses name their optimizer class and kwargs; this builds it, in backward or not."""
 
     supports_stochastic_rounding = False  # only AdamW can update bf16 parameters with stochastic rounding
+    key_labels = {("in_backward", "True"): "Optimizer step in backward"}
 
     def __init__(self, lr: float, weight_decay: float, in_backward: bool = False):
         self.lr, self.weight_decay, self.in_backward = lr, weight_decay, in_backward
@@ -189,6 +190,11 @@ class AdamW(TorchOptimizer):
         self.betas, self.implementation = tuple(betas), implementation
         self._round_stochastically = False  # set by check(plan), which always runs before build
 
+    @property
+    def label(self) -> str:
+        return {"default": "AdamW", "forloop": "AdamW for-loop"}.get(self.implementation,
+                                                                   f"AdamW {self.implementation}")
+
     def check(self, plan: Plan) -> None:
         super().check(plan)
         if self.implementation not in IMPLEMENTATIONS:
@@ -231,6 +237,8 @@ class AdamW(TorchOptimizer):
 class SGD(TorchOptimizer):
     """Plain SGD: no state at momentum 0; one momentum buffer (4 bytes/param in fp32) otherwise."""
 
+    label = "SGD"
+
     def __init__(self, lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0, in_backward: bool = False):
         super().__init__(lr, weight_decay, in_backward)
         self.momentum = momentum
@@ -254,6 +262,8 @@ class Adafactor(TorchOptimizer):
     ones) and 4 bytes/param for vectors; saves nearly all of AdamW's 8 bytes/param.
     Its lr is a relative step cap (step = min(lr, 1/sqrt(t)) × the parameter's RMS), and weight
     decay multiplies weights by (1 - lr·weight_decay) per step."""
+
+    label = "Adafactor"
 
     def __init__(self, lr: float = 1e-2, beta2_decay: float = -0.8, d: float = 1.0, weight_decay: float = 0.0,
                  in_backward: bool = False):
@@ -292,6 +302,8 @@ class Adafactor(TorchOptimizer):
 class AdamW8bit(TorchOptimizer):
     """bitsandbytes' AdamW with both states quantised blockwise to 8 bits: 2 bytes/param (plus one
     fp32 absmax per 256 values) instead of 8. Tensors under `min_8bit_size` elements keep fp32 states."""
+
+    label = "8-bit AdamW"
 
     def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
                  min_8bit_size: int = 4096, in_backward: bool = False):

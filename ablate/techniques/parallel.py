@@ -21,6 +21,7 @@ from ablate.techniques.precision import DTYPES
 class Single(Option):
     """One process on one device: the whole model, its gradients and optimizer states on it."""
 
+    label = "Single process"
     world_size = 1
     shards_params = False  # parameters are whole on every rank
     rank = 0
@@ -58,6 +59,8 @@ class Single(Option):
 class _Distributed(Single):
     """Shared glue: process group, one device per local rank, option validation."""
 
+    key_labels = {("sync_each_micro_step", "False"): "Gradient sync on the last micro-step only",
+                  ("sync_each_micro_step", "True"): "Gradient sync every micro-step"}
     BACKENDS = ("auto", "nccl", "gloo")
 
     def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto"):
@@ -106,6 +109,9 @@ class DDP(_Distributed):
     gradients are all-reduced in buckets during backward. Spends: a full replica per GPU plus the
     buckets, a second copy of every gradient. Saves: nothing per GPU; buys throughput.
     gradient_as_bucket_view=True makes each .grad a view into its bucket: one gradient copy fewer."""
+
+    label = "DDP"
+    key_labels = {**_Distributed.key_labels, ("gradient_as_bucket_view", "True"): "Gradients as bucket views"}
 
     def __init__(self, nproc: int | str = "auto", nodes: int = 1, backend: str = "auto",
                  gradient_as_bucket_view: bool = False):
@@ -156,6 +162,10 @@ class FSDP(_Distributed):
         super().__init__(nproc, nodes, backend)
         self.reshard_after_forward, self.sync_each_micro_step = reshard_after_forward, sync_each_micro_step
 
+    @property
+    def label(self) -> str:
+        return "FSDP" if self.reshard_after_forward else "FSDP without reshard after forward"
+
     def wrap(self, model: nn.Module, adapter, precision, offload) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -188,6 +198,10 @@ class FSDP1(_Distributed):
     all-gathers the next block's parameters before the current block's gradient computation
     (faster, one more block of parameters alive), post after it, none not at all.
     sync_each_micro_step: as in FSDP."""
+
+    label = "FSDP1"
+    key_labels = {**_Distributed.key_labels, ("backward_prefetch", "pre"): "Backward prefetch (pre)",
+                  ("backward_prefetch", "post"): "Backward prefetch (post)"}
 
     SHARDING = ("full", "grad_op", "no_shard")
     PREFETCH = ("pre", "post", "none")

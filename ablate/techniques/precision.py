@@ -89,11 +89,14 @@ def _initialised(model: nn.Module, device: torch.device, constants: Callable[[],
 class FP32(Precision):
     """Parameters, gradients, optimizer states and matmuls all in float32 (TF32 explicitly off)."""
 
+    label = "fp32"
+
 
 class TF32(Precision):
     """fp32 storage, matmuls on TF32 tensor cores (10-bit mantissa). Saves no memory; buys speed
     on Ampere and newer GPUs. On a CPU it is plain fp32."""
 
+    label = "TF32"
     compute_dtype = "tf32"
     allow_tf32 = True
 
@@ -103,6 +106,7 @@ class FP16(Precision):
     and activations inside autocast. Saves: about half the activation memory; fp16 tensor-core speed.
     Steps whose gradients overflow are skipped by the scaler and counted in the result."""
 
+    label = "fp16 AMP"
     compute_dtype = "fp16"
     autocast_dtype = "fp16"
     scales_loss = True
@@ -112,6 +116,7 @@ class BF16(Precision):
     """Autocast to bfloat16 with fp32 master weights; bf16's fp32-sized exponent needs no scaler.
     Saves about half the activation memory."""
 
+    label = "bf16 AMP"
     compute_dtype = "bf16"
     autocast_dtype = "bf16"
 
@@ -121,6 +126,7 @@ class BF16Pure(Precision):
     Saves half of every parameter-sized tensor; costs update precision (small updates round away),
     which `stochastic_rounding` (torchao's AdamW) recovers in expectation."""
 
+    label = "Pure bf16"
     compute_dtype = "bf16"
     param_dtype = "bf16"
 
@@ -139,6 +145,8 @@ class FP8(BF16):
     bf16 (torchtitan keeps the output layer out too), and so does any Linear whose sizes are not
     multiples of 16 (what _scaled_mm takes). MFU is against the bf16 peak, so a faster fp8 run
     reads as an MFU gain, not as a smaller denominator."""
+
+    label = "fp8 matmuls (torchao)"
 
     def check(self, plan: Plan) -> None:
         super().check(plan)
