@@ -79,7 +79,7 @@ def resolve_nproc(config: dict) -> None:
 
 
 @dataclass
-class Point:
+class ResolvedPoint:
     """One grid point as the job and the launcher see it, before anything runs."""
 
     config: dict  # resolved, without the hydra node: what result.json records and run_id hashes
@@ -91,15 +91,16 @@ class Point:
     label: str
 
     @classmethod
-    def of(cls, cfg: DictConfig, hydra: DictConfig, run_dir: Path) -> "Point":
+    def of(cls, cfg: DictConfig, hydra: DictConfig, run_dir: Path) -> "ResolvedPoint":
         if "hydra" in cfg:  # the launcher's sweep config: resolve the run config only
             cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         resolve_nproc(config)
         resolve_alloc_conf(config)
         rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
-        return cls(config, RunSpec.of(config), {g: hydra.runtime.choices.get(g) for g in GROUPS}, list(hydra.overrides.task), rid,
-                   run_dir, hydra.job.override_dirname or "defaults")
+        choices = {g: hydra.runtime.choices.get(g) for g in GROUPS}
+        return cls(config, RunSpec.of(config), choices, list(hydra.overrides.task), rid, run_dir,
+                   hydra.job.override_dirname or "defaults")
 
     def record(self, status: str, reason: str | None, metrics: dict | None = None, env: dict | None = None,
                timing: dict | None = None, prediction: Prediction | None = None,
@@ -144,7 +145,7 @@ def record_unlaunched(hydra_context, master_config: DictConfig, overrides: list[
     cfg = hydra_context.config_loader.load_sweep_config(master_config, list(overrides))
     run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return Point.of(cfg, cfg.hydra, run_dir).record(status, reason)
+    return ResolvedPoint.of(cfg, cfg.hydra, run_dir).record(status, reason)
 
 
 def link_artifacts(result: dict, old_dir: Path, new_dir: Path) -> None:
@@ -175,7 +176,7 @@ def prestarted_outcome(spec: RunSpec, run_dir: Path, overrides: list[str], progr
 def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     warn_unswept(hc)
-    point = Point.of(cfg, hc, Path(hc.runtime.output_dir))
+    point = ResolvedPoint.of(cfg, hc, Path(hc.runtime.output_dir))
     progress = Progress(point.label)
     # Claimed while it runs, by the first node's task only: every node of a multi-node point runs it.
     first_node = int(os.environ.get("SLURM_PROCID", 0)) == 0
@@ -187,7 +188,7 @@ def run_point(cfg: DictConfig) -> dict:
     return result
 
 
-def run_claimed(point: Point, progress: Progress) -> dict:
+def run_claimed(point: ResolvedPoint, progress: Progress) -> dict:
     """The point once it is this process's: skipped if done (perhaps by whoever held it before),
     else run and recorded."""
     result_path = point.run_dir / results.RESULT_FILE

@@ -31,7 +31,7 @@ class Trace:
     category_max: dict  # each category's own maximum over the step (they peak at different times)
     after: dict  # breakdown_mib when the step has finished
     # Where the memory went, per module (ablate.artifacts makes memory_by_module.csv of it), bytes on
-    # the device, by ModTracker's module names ("GPT.transformer.h.0"):
+    # the device, by ModTracker's module names ("GPTModule.transformer.h.0"):
     held: dict = field(default_factory=dict)  # (owner, _MemRefType) -> bytes alive at the peak
     windows: dict = field(default_factory=dict)  # name -> [fwd, bwd] highest total while it ran, -1: never
 

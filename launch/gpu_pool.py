@@ -22,7 +22,7 @@ J = TypeVar("J")  # a point's running job
 
 
 @dataclass
-class Point:
+class QueuedPoint:
     """A grid point as the pool schedules it (the launcher composes its config once, up front)."""
 
     idx: int  # Hydra's job number
@@ -97,9 +97,9 @@ class GpuPool:
             self.free[gpu] = sorted([*self.free[gpu], slot])
 
 
-def packed(points: Sequence[Point], gpus: Sequence[int], start: Callable[[Point, Lease], J],
+def packed(points: Sequence[QueuedPoint], gpus: Sequence[int], start: Callable[[QueuedPoint, Lease], J],
            finished: Callable[[J], bool], stop: Callable[[J], None], poll_s: float = POLL_S, per_gpu: int = 1,
-           cpus: Mapping[tuple[int, int], list[int]] | None = None) -> Iterator[tuple[Point, J, Lease]]:
+           cpus: Mapping[tuple[int, int], list[int]] | None = None) -> Iterator[tuple[QueuedPoint, J, Lease]]:
     """Start each point once the GPUs it wants are free (all of them at most) and yield (point,
     job, lease) as each job ends. Grid order, except that a point that fits starts before one that
     waits for more GPUs (a 1-GPU point takes a GPU a 2-GPU point cannot use yet); the one that

@@ -80,16 +80,16 @@ def points_of(grid: dict) -> list[dict]:
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
 
 
-def make_point(values: dict, options: dict, out_dir: Path, sweep: Path) -> job.Point:
-    """A job.Point as Point.of makes it inside the point's own task (no RunSpec: nothing runs)."""
+def make_point(values: dict, options: dict, out_dir: Path, sweep: Path) -> job.ResolvedPoint:
+    """A job.ResolvedPoint as ResolvedPoint.of makes it inside the point's own task (no RunSpec: nothing runs)."""
     config = json.loads(json.dumps(options[("", "")]))  # a deep copy
     config.update({g: options[(g, v)] for g, v in values.items() if g in GROUPS})
     config.update(batch_size=values["batch_size"], out_dir=str(out_dir))
     overrides = [f"{k}={v}" for k, v in values.items()]
     name = ",".join(sorted(overrides))  # Hydra's override_dirname
     rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
-    return job.Point(config, None, {**DEFAULTS, **{g: v for g, v in values.items() if g in GROUPS}}, overrides, rid,
-                     sweep / short_dirname(name), name)
+    choices = {**DEFAULTS, **{g: v for g, v in values.items() if g in GROUPS}}
+    return job.ResolvedPoint(config, None, choices, overrides, rid, sweep / short_dirname(name), name)
 
 
 def canned(i: int, values: dict) -> tuple[Outcome, Prediction]:

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ablate.build import check_config
 from ablate.measure import traced_step
-from ablate.models.gpt_module import GPT, GPTConfig
+from ablate.models.gpt_module import GPTModule, GPTConfig
 from ablate.models.gpt import ADAPTER as GPT_ADAPTER
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.checkpoint import Layers
@@ -23,9 +23,9 @@ MATMUL_RECOMPUTE = ["block", "every2", "attention", "mlp", "layers"]  # `ops` re
 PREFIX = "_checkpoint_wrapped_module."
 
 
-def nano(n_layer: int = 3) -> GPT:
+def nano(n_layer: int = 3) -> GPTModule:
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=3, n_embd=48, vocab_size=128, block_size=32))
+    return GPTModule(GPTConfig(n_layer=n_layer, n_head=3, n_embd=48, vocab_size=128, block_size=32))
 
 
 def option(name: str, *overrides: str):

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import ROOT
 from launch import cpus
-from launch.gpu_pool import GpuPool, Point, packed
+from launch.gpu_pool import GpuPool, QueuedPoint, packed
 
 
 def test_blocks_are_contiguous_even_and_disjoint_and_wrap_when_cpus_run_short():
@@ -55,7 +55,7 @@ def test_cpu_lists_read_and_write_tasksets_form():
 
 def test_points_running_at_once_hold_cpus_no_other_running_point_holds():
     seats = cpus.plan([0, 1], 2, list(range(8)))
-    points = [Point(i, [], w, True, str(i), None) for i, w in enumerate([1, 2, 1, 1, 2, 1])]
+    points = [QueuedPoint(i, [], w, True, str(i), None) for i, w in enumerate([1, 2, 1, 1, 2, 1])]
     held: dict[int, set[int]] = {}
     overlaps = []
 

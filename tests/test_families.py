@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 
 from ablate.build import check_config
 from ablate.outcome import validate
-from ablate.models.hf import CausalLM
+from ablate.models.hf import HFModule
 from ablate.predict.analytic import analytic
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
@@ -334,7 +334,7 @@ def test_hf_gpt2_and_ablates_gpt2_give_the_same_logits_for_the_same_weights(tmp_
         model = family.build()
         family.load_weights(model)
         models.append(model.eval())
-    assert isinstance(models[1], CausalLM)
+    assert isinstance(models[1], HFModule)
     x = torch.randint(0, 211, (2, 48))
     with torch.no_grad():
         torch.testing.assert_close(models[0](x)[0], models[1](x)[0], rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ import pytest
 
 from helpers import FAST, ROOT, results_under, run_cli
 from launch import cpus, gpu_pool
-from launch.gpu_pool import GpuPool, Point, gpus_wanted, host_gpus, packed
+from launch.gpu_pool import GpuPool, QueuedPoint, gpus_wanted, host_gpus, packed
 
 
 def test_host_gpus_reads_the_list_then_cuda_visible_devices_then_nvml(monkeypatch):
@@ -58,7 +58,7 @@ def test_points_per_gpu_lets_points_share_a_gpu_and_a_points_ranks_stay_on_disti
     assert pool.take(1) is None
     pool.give(two)
     assert pool.take(2) is None and pool.take(1).seats == ((1, 0),)  # the slot given back
-    points = [Point(i, [f"p={i}"], 1, True, f"p={i}", None) for i in range(5)]
+    points = [QueuedPoint(i, [f"p={i}"], 1, True, f"p={i}", None) for i in range(5)]
     started, most = [], 0
     for point, _, _ in packed(points, [0], lambda p, lease: started.append((p.idx, lease.ids)) or FakeJob(p, 2),
                                 FakeJob.done, lambda job: None, poll_s=0, per_gpu=3):
@@ -70,7 +70,7 @@ def test_points_per_gpu_lets_points_share_a_gpu_and_a_points_ranks_stay_on_disti
 class FakeJob:
     """Ends after `polls` checks."""
 
-    def __init__(self, point: Point, polls: int):
+    def __init__(self, point: QueuedPoint, polls: int):
         self.point, self.polls, self.stopped = point, polls, False
 
     def done(self) -> bool:
@@ -80,7 +80,7 @@ class FakeJob:
 
 def schedule(wants: list[int], gpus: list[int], polls: int = 3):
     """Run fake points through `packed`; returns (start order with ids, end order, most running at once)."""
-    points = [Point(i, [f"p={i}"], w, True, f"p={i}", None) for i, w in enumerate(wants)]
+    points = [QueuedPoint(i, [f"p={i}"], w, True, f"p={i}", None) for i, w in enumerate(wants)]
     busy: set[int] = set()
     started, ended, most = [], [], 0
 
@@ -121,7 +121,7 @@ def test_with_one_gpu_points_run_one_at_a_time_in_grid_order():
 
 
 def test_a_sweep_stopped_midway_stops_its_running_jobs():
-    points = [Point(i, [], 1, True, str(i), None) for i in range(3)]
+    points = [QueuedPoint(i, [], 1, True, str(i), None) for i in range(3)]
     checks, stopped = [], []
 
     def finished(job):

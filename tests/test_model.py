@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ablate.models.gpt_module import GPT, SIZES, GPTConfig, on_meta
+from ablate.models.gpt_module import GPTModule, SIZES, GPTConfig, on_meta
 from helpers import FAST, ROOT, compose_config, results_under, run_cli
 
 # GPT-2's published parameter counts (tied embeddings, vocab 50257, 1024 positions).
@@ -20,7 +20,7 @@ GPT2_PARAMS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 77
 def test_gpt2_parameter_counts(name):
     cfg = compose_config([f"model={name}"])["model"]
     with on_meta():  # shapes only: no memory, even for gpt2-xl
-        model = GPT(GPTConfig(cfg["n_layer"], cfg["n_head"], cfg["n_embd"]))
+        model = GPTModule(GPTConfig(cfg["n_layer"], cfg["n_head"], cfg["n_embd"]))
     assert model.num_params() == GPT2_PARAMS[name]
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"]) == SIZES[name]
@@ -29,16 +29,16 @@ def test_gpt2_parameter_counts(name):
 def test_a_model_on_meta_has_the_real_shapes_and_skips_the_initialisers():
     cfg = GPTConfig(2, 2, 32, vocab_size=100, block_size=16)
     with on_meta():
-        meta = GPT(cfg)
-    real = GPT(cfg)
+        meta = GPTModule(cfg)
+    real = GPTModule(cfg)
     assert [(n, p.shape, p.dtype) for n, p in meta.named_parameters()] == \
         [(n, p.shape, p.dtype) for n, p in real.named_parameters()]
     assert meta.lm_head.weight is meta.transformer.wte.weight
     assert real.transformer.wte.weight.std() > 0  # outside, the initialisers run as before
     # Why skip them: on meta they go through torch._refs, which imports torch._dynamo (~1 s). A
     # fresh process, since this one may have imported it already.
-    code = ("import sys; from ablate.models.gpt_module import GPT, GPTConfig, on_meta\n"
-            "with on_meta(): GPT(GPTConfig(2, 2, 32))\n"
+    code = ("import sys; from ablate.models.gpt_module import GPTModule, GPTConfig, on_meta\n"
+            "with on_meta(): GPTModule(GPTConfig(2, 2, 32))\n"
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -56,7 +56,7 @@ def test_init_draws_each_weight_once_with_gpt2s_stds_and_the_same_values_on_any_
         torch.set_num_threads(threads)
         try:
             torch.manual_seed(seed)
-            return {n: p.detach().clone() for n, p in GPT(cfg).named_parameters()}
+            return {n: p.detach().clone() for n, p in GPTModule(cfg).named_parameters()}
         finally:
             torch.set_num_threads(before)
 
@@ -72,7 +72,7 @@ def test_init_draws_each_weight_once_with_gpt2s_stds_and_the_same_values_on_any_
     normal_ = torch.Tensor.normal_
     monkeypatch.setattr(torch.Tensor, "normal_", lambda w, *a, **k: calls.append(w.shape) or normal_(w, *a, **k))
     with on_meta():  # as every point builds (precision.materialize): the layers' own initialisers skipped
-        model = GPT(cfg)
+        model = GPTModule(cfg)
     model.to_empty(device="cpu")
     model.tie_weights()
     model.reset_parameters()
@@ -80,7 +80,7 @@ def test_init_draws_each_weight_once_with_gpt2s_stds_and_the_same_values_on_any_
 
 
 def test_embeddings_are_tied_and_counted_once():
-    model = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
+    model = GPTModule(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.num_params() == sum(p.numel() for p in model.parameters())
     assert model.num_params(non_embedding=True) == model.num_params() - 16 * 32
@@ -88,7 +88,7 @@ def test_embeddings_are_tied_and_counted_once():
 
 def test_forward_shapes_and_initial_loss():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
+    model = GPTModule(GPTConfig(2, 2, 32, vocab_size=100, block_size=16))
     x, y = torch.randint(0, 100, (2, 3, 16))
     logits, loss = model(x, y)
     assert logits.shape == (3, 16, 100)
@@ -103,9 +103,9 @@ def test_a_padded_vocabulary_trains_as_the_unpadded_one():
     the chunked loss); the padding's gradient is zero, so it stays zero under any optimizer."""
     from ablate.techniques.loss import Chunked
 
-    def built(cfg: GPTConfig) -> GPT:  # as every point builds it (precision.materialize): on meta, then initialised once
+    def built(cfg: GPTConfig) -> GPTModule:  # as every point builds it (precision.materialize): on meta, then initialised once
         with on_meta():
-            model = GPT(cfg)
+            model = GPTModule(cfg)
         model.to_empty(device="cpu")
         model.tie_weights()
         torch.manual_seed(0)
@@ -154,7 +154,7 @@ def test_logits_match_huggingface_gpt2(tmp_path, pad):
                                     bos_token_id=0, eos_token_id=0)).eval()
     hf.save_pretrained(tmp_path, safe_serialization=True)
     assert (tmp_path / "model.safetensors").exists()
-    ours = GPT(GPTConfig(**read_config(tmp_path), pad_vocab_to=pad)).eval()
+    ours = GPTModule(GPTConfig(**read_config(tmp_path), pad_vocab_to=pad)).eval()
     load_weights(ours, tmp_path)  # a padded model takes the checkpoint's rows, its padding left zero
     x = torch.randint(0, 211, (2, 48))
     with torch.no_grad():
@@ -170,7 +170,7 @@ def test_init_from_rejects_a_mismatched_checkpoint(tmp_path):
                                bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
     # named by the config key, not by the first tensor of another shape
     with pytest.raises(ValueError, match=f"model.init_from={tmp_path}: model.n_embd=64 but the checkpoint has 32$"):
-        load_weights(GPT(GPTConfig(1, 2, 64, vocab_size=50, block_size=16)), tmp_path)
+        load_weights(GPTModule(GPTConfig(1, 2, 64, vocab_size=50, block_size=16)), tmp_path)
 
 
 def test_a_run_from_a_checkpoint_starts_at_the_checkpoints_loss(tmp_path):
@@ -191,7 +191,7 @@ def test_a_run_from_a_checkpoint_starts_at_the_checkpoints_loss(tmp_path):
     with torch.no_grad():  # large tied embeddings: a loss far from a fresh model's log(vocab_size)
         hf.transformer.wte.weight.mul_(20)
     hf.save_pretrained(tmp_path / "ckpt")
-    ours = GPT(GPTConfig(**read_config(tmp_path / "ckpt")))
+    ours = GPTModule(GPTConfig(**read_config(tmp_path / "ckpt")))
     load_weights(ours, tmp_path / "ckpt")
     x, y = instantiate(cfg["data"]).load(cfg["seq_len"]).train_batch(0, cfg["batch_size"])
     with torch.no_grad():

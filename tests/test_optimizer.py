@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 
 from ablate.build import check_config
 from ablate.measure import StepCounter, traced_step
-from ablate.models.gpt_module import GPT, GPTConfig
+from ablate.models.gpt_module import GPTModule, GPTConfig
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.optimizer import SGD, Adafactor, AdamW, AdamW8bit, InBackward
 from helpers import ROOT, compose_config, compose_spec, train_nano
@@ -29,16 +29,16 @@ def option(name: str, *overrides: str):
     return instantiate(compose_config([f"optimizer={name}", *overrides])["optimizer"])
 
 
-def gpt(n_layer: int = 2, n_embd: int = 64, bias: bool = True) -> GPT:
+def gpt(n_layer: int = 2, n_embd: int = 64, bias: bool = True) -> GPTModule:
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=n_embd, vocab_size=128, block_size=32, bias=bias))
+    return GPTModule(GPTConfig(n_layer=n_layer, n_head=2, n_embd=n_embd, vocab_size=128, block_size=32, bias=bias))
 
 
 def plan(**kw) -> Plan:
     return Plan(**{"device": "cpu", "batch_size": 8, "seq_len": 16, **kw})
 
 
-def train(opt_option, model: GPT, steps: int = 3, batch_size: int = 8):
+def train(opt_option, model: GPTModule, steps: int = 3, batch_size: int = 8):
     """`steps` plain steps on fixed random tokens; returns the built optimizer and its step function."""
     opt_option.check(plan())
     opt = opt_option.build(model)

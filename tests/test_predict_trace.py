@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ablate import measure
 from ablate.build import build_model, build_optimizer, check_config
-from ablate.models.gpt_module import GPT
+from ablate.models.gpt_module import GPTModule
 from ablate.predict.trace import Untraceable, trace
 from ablate.train import train_step
 from tests.helpers import compose_config, compose_spec, hf_toy, results_under, run_cli
@@ -44,7 +44,7 @@ def real_step(cfg) -> measure.Trace:
     return measure.traced_step(step, model, optimizer, device)
 
 
-def meta_model(overrides: list[str]) -> GPT:
+def meta_model(overrides: list[str]) -> GPTModule:
     """The config's model on the meta device: shapes only."""
     return instantiate(compose_config(overrides)["model"]).meta_model
 
@@ -178,13 +178,13 @@ def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
     assert_same_state(before, global_state())
     # A model failing as it is built, its parameters already made: inside the fake mode, the fake
     # process group and the patches.
-    class BrokenGPT(GPT):
+    class BrokenGPT(GPTModule):
         def __init__(self, config):
             super().__init__(config)
             raise AssertionError("injected while the model is built")
 
     with monkeypatch.context() as m, pytest.raises(AssertionError, match="injected"):
-        m.setattr("ablate.models.gpt.GPT", BrokenGPT)
+        m.setattr("ablate.models.gpt.GPTModule", BrokenGPT)
         trace(compose_spec([*SMALL, "parallel=fsdp", "parallel.nproc=2"]))
     assert_same_state(before, global_state())
 

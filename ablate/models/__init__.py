@@ -9,7 +9,7 @@ the family's `Adapter` where the repeated decoder layer, its attention and MLP, 
 LM head are, never an attribute name of its own.
 
 Families: ablate's GPT-2 (ablate/models/gpt.py, the default) and any decoder-only causal LM of
-Hugging Face transformers (ablate/models/hf.py), both behind the same `CausalLM` interface:
+Hugging Face transformers (ablate/models/hf.py), both behind the same `HFModule` interface:
 forward(idx, targets) -> (logits, loss), tie_weights(), reset_parameters().
 """
 from __future__ import annotations
@@ -222,7 +222,7 @@ class Family(Option, abc.ABC):
 
     def check(self, plan) -> None:
         """The model contract (`check_contract`); a family that checks more calls this too where
-        its module is not ablate's own (ablate's GPT and transformers' wrapper are tested once,
+        its module is not ablate's own (ablate's GPTModule and transformers' wrapper are tested once,
         by tests/test_model_contract.py, not per point)."""
         self.check_contract(plan)
 

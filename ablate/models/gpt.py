@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ablate.models.gpt_module import GPT, GPTConfig
+from ablate.models.gpt_module import GPTModule, GPTConfig
 from ablate.models import MAX_LAYERS, Adapter, Family, weights
 from ablate.techniques import Invalid, Plan
 
@@ -65,7 +65,7 @@ class GPT2(Family):
         return ADAPTER
 
     def build(self) -> nn.Module:
-        return GPT(self.config)
+        return GPTModule(self.config)
 
     def arch(self):
         from ablate.predict.layers import Arch
@@ -80,7 +80,7 @@ class GPT2(Family):
 
     def with_layers(self, n: int) -> nn.Module:
         """Every block is the same Block of the same config: n of them stand for any number."""
-        return GPT(dataclasses.replace(self.config, n_layer=n))
+        return GPTModule(dataclasses.replace(self.config, n_layer=n))
 
     def flops_params(self) -> int:
         """The padded rows of the head (pad_vocab_to) are no token's: work, but not the model's."""
@@ -115,7 +115,7 @@ def read_config(path: str | Path) -> dict:
 
 
 def _as_ours(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A HF GPT-2 checkpoint's tensors under ablate's GPT names (GPT2Model's lack `transformer.`)."""
+    """A HF GPT-2 checkpoint's tensors under ablate's GPTModule names (GPT2Model's lack `transformer.`)."""
     ours = {}
     for key, value in state.items():
         key = key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
@@ -124,7 +124,7 @@ def _as_ours(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return ours
 
 
-def fitted(model: GPT, path: str | Path, meta: bool = False) -> tuple[dict, dict]:
+def fitted(model: GPTModule, path: str | Path, meta: bool = False) -> tuple[dict, dict]:
     """(model's tensors, checkpoint's) under the same names, checked (weights.refuse_misfit): the
     model's as views in the checkpoint's layout (Conv1D's transposed; a padded model's token rows
     cut to the checkpoint's vocabulary), so that a reason gives the shapes the file has, and a copy
@@ -141,7 +141,7 @@ def fitted(model: GPT, path: str | Path, meta: bool = False) -> tuple[dict, dict
     return ours, theirs
 
 
-def load_weights(model: GPT, path: str | Path) -> None:
+def load_weights(model: GPTModule, path: str | Path) -> None:
     """Copy a local HF GPT-2 checkpoint into `model` in place (any device, any dtype)."""
     ours, theirs = fitted(model, path)
     with torch.no_grad():

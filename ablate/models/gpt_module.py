@@ -184,7 +184,10 @@ def _normal_args(tensor, mean=0.0, std=1.0, generator=None):
     return tensor, mean, std, generator
 
 
-class GPT(nn.Module):
+class GPTModule(nn.Module):
+    """GPT-2 as an nn.Module: what the GPT2 family (ablate/models/gpt.py, the `_target_` of
+    conf/model/gpt2*.yaml) builds, as HFModule is what the HFCausalLM family builds."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg

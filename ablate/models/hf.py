@@ -2,8 +2,8 @@
 config.json with no network: Llama, Qwen2, Mistral, GPT-NeoX, GPT-2 and the others
 AutoModelForCausalLM knows.
 
-The model comes in as transformers writes it; `CausalLM` only puts it behind ablate's interface
-(forward(idx, targets) -> (logits, loss), with the same fp32 loss as ablate's GPT), and
+The model comes in as transformers writes it; `HFModule` only puts it behind ablate's interface
+(forward(idx, targets) -> (logits, loss), with the same fp32 loss as ablate's GPTModule), and
 `find_adapter` reads where its parts are from the model itself: the repeated layer is the class
 transformers names in `_no_split_modules` (the unit it never splits across devices), its
 attention and MLP the layer's children of those kinds, the LM head and the token embedding what
@@ -71,13 +71,14 @@ def _causal_lm_class(config):
 _SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
           "intermediate_size")
 
-class CausalLM(nn.Module):
-    """A transformers causal LM behind ablate's model interface. `lm` is the transformers model."""
+class HFModule(nn.Module):
+    """A transformers causal LM behind ablate's model interface: the nn.Module the HFCausalLM family
+    builds. `lm` is the transformers model."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
-        self.loss_fn = None  # as ablate's GPT's: (hidden, head, targets) -> loss, the head and loss together
+        self.loss_fn = None  # as ablate's GPTModule's: (hidden, head, targets) -> loss, the head and loss together
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """idx, targets: (B, T) token ids, targets already shifted (the data's y): transformers'
@@ -239,7 +240,7 @@ class HFCausalLM(Family):
         with no_init_weights():
             return super().constants()
 
-    def _build(self, config) -> CausalLM:
+    def _build(self, config) -> HFModule:
         tf = _transformers()
         try:
             lm = tf.AutoModelForCausalLM.from_config(config, attn_implementation=self.attn_implementation,
@@ -249,7 +250,7 @@ class HFCausalLM(Family):
                 raise
             raise Invalid(f"model.attn_implementation={self.attn_implementation}: "
                           f"{str(e).splitlines()[0].split('. ')[0]} (valid: sdpa, eager)") from None
-        return CausalLM(lm)
+        return HFModule(lm)
 
     uses_transformers = True
 
@@ -271,7 +272,7 @@ class HFCausalLM(Family):
         heads, head_dims = getattr(c, "num_attention_heads", None), _per_layer(c, "head_dim")
         return layers, heads * sum(head_dims) / len(head_dims) if heads and head_dims else hidden
 
-    def with_layers(self, n: int) -> CausalLM | None:
+    def with_layers(self, n: int) -> HFModule | None:
         """The config with n layers: its per-layer attention kinds (Qwen2's `layer_types`) cut to
         n where they are all one kind; None for a family not in UNIFORM_LAYERS, or whose layers
         are of more than one kind."""

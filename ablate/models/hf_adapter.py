@@ -10,7 +10,7 @@ from ablate.models import Adapter
 from ablate.techniques import Invalid
 
 if TYPE_CHECKING:
-    from ablate.models.hf import CausalLM
+    from ablate.models.hf import HFModule
 
 
 def _transformers():
@@ -23,7 +23,7 @@ def _transformers():
     return transformers
 
 
-def find_adapter(model: CausalLM) -> Adapter:
+def find_adapter(model: HFModule) -> Adapter:
     """The adapter of a transformers model, read from its structure (paths from `model`)."""
     lm = model.lm
     names = {id(m): n for n, m in model.named_modules()}

@@ -90,7 +90,7 @@ class Shapes:
         return self.s * self.b
 
 
-def _shapes(spec: RunSpec, t: Techniques) -> Shapes:
+def _shapes_of(spec: RunSpec, t: Techniques) -> Shapes:
     arch = arch_of(t.model)  # Unmodelled for a family without a layer model
     # Names and shapes from the family's layout: for repeated layers read off a two-layer sample on
     # the meta device, in the whole model's order, so the cost is linear in the layers (building all
@@ -138,86 +138,92 @@ def _grad_bytes(t: Techniques) -> int:
     return BYTES[t.precision.autocast_dtype or t.precision.param_dtype] if _fsdp(t) else BYTES[t.precision.param_dtype]
 
 
-def _model_state(t: Techniques, sh: Shapes, device: str) -> Sizes:
+def _model_state(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     """Parameters, gradients, optimizer states and FSDP's units on one rank (bytes)."""
-    pd = BYTES[t.precision.param_dtype]
-    gd = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]  # FSDP's mp param_dtype
+    param_bytes = BYTES[t.precision.param_dtype]
+    gather_bytes = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]  # FSDP's mp param_dtype
     p = t.parallel
     fsdp = _fsdp(t)
     world = max(p.world_size, 1) if p.shards_params else 1  # offload=params alone: FSDP over one rank
-    local = {n: math.prod(_local_shape(s, world)) for n, s in sh.param_shapes.items()}
-    trains = [n for n in local if n not in sh.frozen]  # a frozen parameter has no gradient and no state
+    local = {n: math.prod(_local_shape(s, world)) for n, s in shapes.param_shapes.items()}
+    trains = [n for n in local if n not in shapes.frozen]  # a frozen parameter has no gradient and no state
     # FSDP CPU offload: shards, their grads and states on the host (on a CPU, the host is the device)
     offloaded = t.offload.params_on_host and device != "cpu"
     # The optimizer option's own model of its states (ablate/techniques/optimizer.py, lowbit.py), for
     # each tensor's local shape: torch keeps a DTensor parameter's states in its shard's shape.
-    states = sum(t.optimizer.state_bytes(_local_shape(sh.param_shapes[n], world), pd, device) for n in trains)
+    states = sum(t.optimizer.state_bytes(_local_shape(shapes.param_shapes[n], world), param_bytes, device)
+                 for n in trains)
     states += t.optimizer.shared_state_bytes(max([local[n] for n in trains] or [0]))
     if offloaded or t.offload.states_on_host:
         states = 0.0
-    grads = {n: 0.0 if n in sh.frozen else numel * _grad_bytes(t) for n, numel in sh.param_numels.items()}
+    grads = {n: 0.0 if n in shapes.frozen else numel * _grad_bytes(t) for n, numel in shapes.param_numels.items()}
     if t.offload.grads_on_host:
         grads = dict.fromkeys(grads, 0.0)
-    groups = [[math.prod(_local_shape(s, world)) for s in g] for g in sh.groups]
-    z = Sizes(params=0.0 if offloaded else sum(local.values()) * pd, grads=grads, states=states,
-              step_temp=0.0 if states == 0 else t.optimizer.step_temp_bytes(groups, pd, device),
-              other=(sum(sh.param_numels[n] for n in trains) * pd if p.ddp_buckets else 0.0)
-              + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
-              grads_in_buckets=p.grads_in_buckets)
+    groups = [[math.prod(_local_shape(s, world)) for s in g] for g in shapes.groups]
+    sizes = Sizes(params=0.0 if offloaded else sum(local.values()) * param_bytes, grads=grads, states=states,
+                  step_temp=0.0 if states == 0 else t.optimizer.step_temp_bytes(groups, param_bytes, device),
+                  other=(sum(shapes.param_numels[n] for n in trains) * param_bytes if p.ddp_buckets else 0.0)
+                  + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
+                  grads_in_buckets=p.grads_in_buckets)
     if fsdp:
-        reduce_d = 4 if t.precision.autocast_dtype else pd  # FSDP reduces in fp32 under autocast
+        reduce_d = 4 if t.precision.autocast_dtype else param_bytes  # FSDP reduces in fp32 under autocast
 
         def unit(names: list[str]) -> Unit:
-            shard, grad = sum(local[n] for n in names), sum(local[n] for n in names if n not in sh.frozen)
-            return Unit(gathered=shard * world * gd, sharded_grads=0.0 if offloaded else grad * pd,
-                        reduce_input=grad * world * reduce_d)
+            shard, grad = sum(local[n] for n in names), sum(local[n] for n in names if n not in shapes.frozen)
+            return Unit(gathered=shard * world * gather_bytes,
+                        sharded_grads=0.0 if offloaded else grad * param_bytes, reduce_input=grad * world * reduce_d)
 
-        in_layers = {n for names in sh.layer_names for n in names}
-        z.root = unit([n for n in local if n not in in_layers])
-        z.block = unit(sh.layer_names[0])
-        z.reshard = getattr(p, "reshard_after_forward", getattr(p, "sharding", "full") == "full")
-        z.sync_each = getattr(p, "sync_each_micro_step", True)  # fully_shard's own default
-    return z
+        in_layers = {n for names in shapes.layer_names for n in names}
+        sizes.root = unit([n for n in local if n not in in_layers])
+        sizes.block = unit(shapes.layer_names[0])
+        sizes.reshard = getattr(p, "reshard_after_forward", getattr(p, "sharding", "full") == "full")
+        sizes.sync_each = getattr(p, "sync_each_micro_step", True)  # fully_shard's own default
+    return sizes
 
 
-def _sizes(t: Techniques, sh: Shapes, device: str) -> Sizes:
+def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     """One rank's sizes and switches for the step: model state, then what the forward keeps."""
-    z = _model_state(t, sh, device)
-    z.c = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]
-    # Autocast adds the residual stream in fp32, unless FSDP's mixed precision gathers the
-    # embeddings in the compute dtype: then the stream is 16-bit too. CUDA autocast runs LayerNorm
-    # in fp32, so there each LayerNorm keeps an fp32 copy of a 16-bit input (CPU autocast does not).
+    sizes = _model_state(t, shapes, device)
+    a, sb = shapes.arch, shapes.sb
+    # Bytes per element, in the formulas' notation (ablate/predict/layers.py): c of the compute
+    # dtype, r of the residual stream, ln of what a norm keeps of its input. Autocast adds the
+    # residual stream in fp32, unless FSDP's mixed precision gathers the embeddings in the compute
+    # dtype: then the stream is 16-bit too. CUDA autocast runs LayerNorm in fp32, so there each
+    # LayerNorm keeps an fp32 copy of a 16-bit input (CPU autocast does not); RMSNorm (llama)
+    # keeps an fp32 copy of any input.
+    c = BYTES[t.precision.autocast_dtype or t.precision.param_dtype]
     fsdp_mp = t.parallel.fsdp_mixed_precision or t.offload.fsdp_mixed_precision
-    z.r = z.c if fsdp_mp else BYTES[t.precision.param_dtype]
-    # RMSNorm (llama) keeps an fp32 copy of any input.
-    z.ln = 4 if sh.arch.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else z.r
-    z.inner_temp = inner_temp(sh.arch, sh.sb, z.c, z.r, _grad_bytes(t))
-    z.forward_temp = forward_temp(sh.arch, sh.sb, z.r)
-    z.recompute_with_mlp = t.checkpoint.recompute_with_mlp
-    z.mlp_saved = mlp_saves(sh.arch, sh.sb, z.r, z.c, z.ln)
-    seq = sh.s if math_sdpa(sh.arch, device, z.c) else 0  # SDPA's math backend keeps (T, T) probabilities
-    z.blocks = [layer_saves(sh.arch, t.checkpoint, i, sh.sb, z.r, z.c, z.ln, seq) for i in range(sh.layers)]
+    r = c if fsdp_mp else BYTES[t.precision.param_dtype]
+    ln = 4 if a.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else r
+    sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
+    sizes.inner_temp = inner_temp(a, sb, c, r, _grad_bytes(t))
+    sizes.forward_temp = forward_temp(a, sb, r)
+    sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
+    sizes.mlp_saved = mlp_saves(a, sb, r, c, ln)
+    seq = shapes.s if math_sdpa(a, device, c) else 0  # SDPA's math backend keeps (T, T) probabilities
+    sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, seq) for i in range(shapes.layers)]
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's normalised input and rsqrt.
-    final = sh.sbh * z.r + sh.sb * 4 if sh.arch.kind == "llama" else 2 * sh.sb * 4
-    z.ln_f_stats = 0 if t.checkpoint.recomputes_final_norm else final
-    if sh.arch.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
-        z.embed_temp = sh.sbh * z.r + sh.s * sh.h * z.r
+    final = shapes.sbh * r + sb * 4 if a.kind == "llama" else 2 * sb * 4
+    sizes.ln_f_stats = 0 if t.checkpoint.recomputes_final_norm else final
+    if a.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
+        sizes.embed_temp = shapes.sbh * r + shapes.s * shapes.h * r
     else:  # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
-        z.rotary = 2 * sh.s * sh.arch.head_dim * z.r
+        sizes.rotary = 2 * shapes.s * a.head_dim * r
     # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the
     # copy until forward ends, and the matmul saves it for backward. FSDP's mixed precision
     # gathers parameters already in that dtype, so nothing is cast there.
     if t.precision.autocast_dtype and not _fsdp(t):
-        z.block_cast = (sum(sh.param_numels[n] for n in sh.linear_names) - _fp8_weights(t)) * z.c
+        sizes.block_cast = (sum(shapes.param_numels[n] for n in shapes.linear_names) - _fp8_weights(t)) * c
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
-        z.lm_head_cast = (sh.vocab if t.loss.from_hidden else sh.padded_vocab) * sh.h * z.c
-    z.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
-    z.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
-    z.micro_steps, z.in_backward = t.accumulation.steps, t.optimizer.in_backward
+        sizes.lm_head_cast = (shapes.vocab if t.loss.from_hidden else shapes.padded_vocab) * shapes.h * c
+    sizes.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
+    sizes.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
+    sizes.micro_steps, sizes.in_backward = t.accumulation.steps, t.optimizer.in_backward
     # FSDP with mixed precision that keeps whole gradients over micro-steps sums them in fp32 (its
     # reduce dtype) beside .grad (FSDPParam.unsharded_accumulated_grad), not in the 16-bit .grad.
-    z.upcast = z.root is not None and not z.sync_each and bool(t.precision.autocast_dtype) and z.micro_steps > 1
-    return z
+    sizes.upcast = (sizes.root is not None and not sizes.sync_each and bool(t.precision.autocast_dtype)
+                    and sizes.micro_steps > 1)
+    return sizes
 
 
 def _fp8_weights(t: Techniques) -> int:
@@ -243,16 +249,16 @@ def analytic(spec: RunSpec) -> Prediction:
     t = Techniques.of(spec)
     _asked(t)
     device = "cpu" if spec.device == "cpu" else "cuda"  # auto: the GPU the user plans on
-    sh = _shapes(spec, t)
-    z = _sizes(t, sh, device)
+    shapes = _shapes_of(spec, t)
+    sizes = _sizes(t, shapes, device)
     # The compiled loss on CUDA only: on a CPU the peak a row reports is the traced step's, which
     # runs eagerly (MemTracker cannot follow compiled code), so the eager step is what it measures.
-    z.compiled = spec.compile and device == "cuda"
+    sizes.compiled = spec.compile and device == "cuda"
     # inductor's pad_mm aligns a matmul's dims to 8 elements in 16-bit and 4 in fp32 (GPUs only): the
     # head's rows, which model.pad_vocab_to=64 aligns already
-    z.pad_head = z.compiled and sh.padded_vocab % (8 if z.c == 2 else 4) != 0
-    z.op_temps = device == "cuda"
-    tl = Step(sh, z).play(spec.batch_size * spec.seq_len)
+    sizes.pad_head = sizes.compiled and shapes.padded_vocab % (8 if sizes.compute_bytes == 2 else 4) != 0
+    sizes.op_temps = device == "cuda"
+    tl = Step(shapes, sizes).play(spec.batch_size * spec.seq_len)
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
                       category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",
                       steady_mib={k: v / MIB for k, v in tl.now.items()})

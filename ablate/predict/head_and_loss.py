@@ -15,33 +15,33 @@ from __future__ import annotations
 
 class LossPlay:
     """Step's head and loss: forward from ln_f's output to the loss, backward from the loss to d
-    ln_f out and the head's gradient. Uses the Step's timeline `tl`, shapes `sh`, sizes `z`, compute
+    ln_f out and the head's gradient. Uses the Step's timeline `tl`, `shapes`, `sizes`, compute
     bytes `c`, and its `keep` and `grad`."""
 
     def head_input(self) -> float:
         """ln_f's output, the head's input, kept for backward (on the host under activation offload)."""
-        return self.keep(self.sh.sbh * self.c)
+        return self.keep(self.shapes.sbh * self.c)
 
     def head_cast_kept(self) -> float:
         """Autocast's cast of the head's weight, kept from forward for backward: not by the chunked
         loss, which casts for itself in forward and again in backward."""
-        return 0.0 if self.z.loss_chunks > 1 else self.keep(self.z.lm_head_cast)
+        return 0.0 if self.sizes.loss_chunks > 1 else self.keep(self.sizes.lm_head_cast)
 
     def slices(self) -> tuple[int, float]:
         """The loss's slices of the micro-batch's tokens: how many, and the largest one's logits
         as elements (tokens x V). The standard loss is one slice of every token."""
-        n = min(self.z.loss_chunks, self.sh.sb)
-        return n, -(-self.sh.sb // n) * self.sh.vocab
+        n = min(self.sizes.loss_chunks, self.shapes.sb)
+        return n, -(-self.shapes.sb // n) * self.shapes.vocab
 
     def logsumexp_temp(self, q: float) -> float:
         """A slice's logsumexp makes its fp32 logits less their row maxima (q elements) inside the
         op, then sums their exp in place: bytes the allocator holds a moment, unseen by MemTracker."""
-        return q * 4 if self.z.op_temps else 0.0
+        return q * 4 if self.sizes.op_temps else 0.0
 
     def padding(self) -> float:
         """Logits (elements) a padded head (GPT-2's pad_vocab_to) makes beyond the standard loss's
         tokens x V, in rows the loss slices off. The chunked loss multiplies by the tokens' rows only."""
-        return self.sh.sb * (self.sh.padded_vocab - self.sh.vocab)
+        return self.shapes.sb * (self.shapes.padded_vocab - self.shapes.vocab)
 
     def loss_forward(self) -> None:
         """Logits in the compute dtype (as wide as the head: padding included) and their fp32
@@ -51,7 +51,7 @@ class LossPlay:
         tl, c = self.tl, self.c
         n, q = self.slices()
         made = q * c + (q * 4 if c != 4 else 0)
-        if n == 1 and self.z.compiled:  # fused: the logits alone, kept for backward (and returned)
+        if n == 1 and self.sizes.compiled:  # fused: the logits alone, kept for backward (and returned)
             tl.alloc("activations", self.keep((q + self.padding()) * c))
             return
         if n == 1:
@@ -71,12 +71,12 @@ class LossPlay:
         `other` until it becomes d x_L) and of its weight. A tied head's share of the embedding
         gradient waits in autograd's buffer (a temporary) until the embedding's share is added;
         only then does it become wte.grad. An untied head's gradient is its own at once."""
-        tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
+        tl, shapes, sizes, c, keep = self.tl, self.shapes, self.sizes, self.c, self.keep
         n, q = self.slices()
-        head = z.grads[sh.lm_head] if sh.lm_head else z.grads[sh.embedding]
+        head = sizes.grads[shapes.lm_head] if shapes.lm_head else sizes.grads[shapes.embedding]
         if n > 1:
             return self.chunked_backward(n, q, head)
-        if z.compiled:
+        if sizes.compiled:
             return self.compiled_loss_backward(q, head)
         back = q * 4 - keep(q * 4)  # an offloaded log-softmax, copied back for its backward
         tl.alloc("activations", back)
@@ -88,8 +88,8 @@ class LossPlay:
         # a padded head's: the sliced logits' gradient, padded back to its rows for the matmuls
         padded = (q + self.padding()) * c if self.padding() else 0
         tl.alloc("other", padded)
-        tl.alloc("other", sh.sbh * c)  # d ln_f out
-        self.grad(head) if sh.lm_head else tl.alloc("other", head)
+        tl.alloc("other", shapes.sbh * c)  # d ln_f out
+        self.grad(head) if shapes.lm_head else tl.alloc("other", head)
         tl.free("other", q * 4 + padded)
 
     def compiled_loss_backward(self, q: float, head: float) -> None:
@@ -107,16 +107,16 @@ class LossPlay:
         its sliced loss on a CPU writes the logits' gradient over the kept padded logits' buffer,
         and feeds that to the matmuls. So it is taken to hold the three, the kept logits as wide as
         the head's rows; not yet seen on a GPU."""
-        tl, sh, z, c, keep = self.tl, self.sh, self.z, self.c, self.keep
+        tl, shapes, sizes, c, keep = self.tl, self.shapes, self.sizes, self.c, self.keep
         kept = (q + self.padding()) * c  # the head's logits, as forward kept them
-        padded = kept if z.pad_head else 0  # d logits padded for the matmuls (pad_mm's, or the sliced loss's)
+        padded = kept if sizes.pad_head else 0  # d logits padded for the matmuls (pad_mm's, or the sliced loss's)
         grads = 2 * q * c + padded
         tl.alloc("activations", kept - keep(kept))  # an offloaded one, back from the host
         tl.alloc("other", grads)
         tl.free("activations", kept)
         tl.free("other", grads - padded)  # the padded one feeds the matmuls
-        tl.alloc("other", sh.sbh * c)  # d ln_f out
-        self.grad(head) if sh.lm_head else tl.alloc("other", head)
+        tl.alloc("other", shapes.sbh * c)  # d ln_f out
+        self.grad(head) if shapes.lm_head else tl.alloc("other", head)
         tl.free("other", padded)
 
     def chunked_backward(self, n: int, q: float, head: float) -> None:
@@ -124,8 +124,8 @@ class LossPlay:
         under autocast, then slice by slice the logits recomputed and turned into their gradient
         in place, multiplied into both (under autocast the weight's share is made in the compute
         dtype, then added)."""
-        tl, sh, z, c = self.tl, self.sh, self.z, self.c
-        tl.alloc("other", sh.sbh * c + head + z.lm_head_cast)
+        tl, shapes, sizes, c = self.tl, self.shapes, self.sizes, self.c
+        tl.alloc("other", shapes.sbh * c + head + sizes.lm_head_cast)
         for _ in range(n):
             made = q * c + (q * 4 if c != 4 else 0)
             tl.alloc("other", made)
@@ -134,9 +134,9 @@ class LossPlay:
             if c != 4:  # ... cast to the compute dtype for the matmuls
                 tl.alloc("other", q * c)
                 tl.free("other", q * 4)
-            tl.transient("other", z.lm_head_cast)  # the weight's share in the compute dtype (autocast)
+            tl.transient("other", sizes.lm_head_cast)  # the weight's share in the compute dtype (autocast)
             tl.free("other", q * c if c != 4 else q * 4)
-        tl.free("other", z.lm_head_cast)
-        if sh.lm_head:
+        tl.free("other", sizes.lm_head_cast)
+        if shapes.lm_head:
             tl.free("other", head)
             self.grad(head)

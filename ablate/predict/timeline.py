@@ -66,10 +66,11 @@ class Sizes:
     reshard: bool = True  # FSDP frees gathered parameters after forward (ZeRO-3), else after backward
     sync_each: bool = False  # FSDP only: reduce-scatter every micro-step, not only the last (whole grads kept)
     upcast: bool = False  # FSDP under autocast sums micro-steps' whole gradients in fp32 beside .grad
-    c: int = 4  # bytes/element of the compute dtype (what Linear, SDPA and GELU produce)
-    r: int = 4  # bytes/element of the residual stream: the parameter dtype (fp32 under autocast),
-    #             the compute dtype under FSDP's mixed precision (its embeddings are gathered in it)
-    ln: int = 4  # bytes/element a LayerNorm keeps of its input: r, or a 4-byte copy (CUDA autocast)
+    # Bytes per element; the formulas (ablate/predict/layers.py) write them c, r and ln.
+    compute_bytes: int = 4  # c: of the compute dtype (what Linear, SDPA and GELU produce)
+    stream_bytes: int = 4  # r: of the residual stream: the parameter dtype (fp32 under autocast),
+    #                        the compute dtype under FSDP's mixed precision (its embeddings are gathered in it)
+    norm_bytes: int = 4  # ln: what a LayerNorm keeps of its input: r, or a 4-byte copy (CUDA autocast)
     blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
     ln_f_stats: float = 0.0  # what the final norm keeps beyond its input and output, unless recomputed
     embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
@@ -100,116 +101,117 @@ class Step(LossPlay):
     other tensors made in backward are "other", optimizer-step temporaries count as "optimizer",
     FSDP's all-gathered parameters are parameters."""
 
-    def __init__(self, sh: Shapes, z: Sizes):
-        self.sh, self.z, self.tl = sh, z, Timeline()
-        self.c, self.r = z.c, z.r
-        self.ln_copy = sh.sbh * (z.ln - z.r)  # ln_f's 4-byte copy of a 16-bit x_L (CUDA autocast)
-        self.block_names = sh.layer_names
-        in_layers = {n for names in sh.layer_names for n in names}
-        self.root_names = [n for n in z.grads if n not in in_layers]
+    def __init__(self, shapes: Shapes, sizes: Sizes):
+        self.shapes, self.sizes, self.tl = shapes, sizes, Timeline()
+        self.c, self.r = sizes.compute_bytes, sizes.stream_bytes
+        # ln_f's 4-byte copy of a 16-bit x_L (CUDA autocast)
+        self.ln_copy = shapes.sbh * (sizes.norm_bytes - sizes.stream_bytes)
+        self.block_names = shapes.layer_names
+        in_layers = {n for names in shapes.layer_names for n in names}
+        self.root_names = [n for n in sizes.grads if n not in in_layers]
         self.have_grads = False
 
     def keeps_cast(self, saved: float) -> bool:
         """Whether a block's cast weights stay on the device from its forward to its backward:
         not when the whole block is recomputed (Korthikanti's full recompute: `saved` is 0), nor
         when saved tensors go to the host. (A partly recomputed block is counted as keeping them.)"""
-        return saved > 0 and not self.z.offload_acts
+        return saved > 0 and not self.sizes.offload_acts
 
     def keep(self, nbytes: float) -> float:
-        return 0.0 if self.z.offload_acts else nbytes  # save_on_cpu: saved tensors live on the host
+        return 0.0 if self.sizes.offload_acts else nbytes  # save_on_cpu: saved tensors live on the host
 
     def play(self, batch_tokens: int) -> Timeline:
-        tl, z, steps = self.tl, self.z, self.z.micro_steps
-        tl.alloc("params", z.params)
-        tl.alloc("optimizer", z.states)
-        tl.alloc("other", z.other)
+        tl, sizes, steps = self.tl, self.sizes, self.sizes.micro_steps
+        tl.alloc("params", sizes.params)
+        tl.alloc("optimizer", sizes.states)
+        tl.alloc("other", sizes.other)
         tl.alloc("activations", batch_tokens * 8 * 2)  # int64 inputs and targets of the whole batch
         for k in range(steps):
             self.forward()
-            self.backward(sync=z.sync_each or k == steps - 1)  # FSDP: reduce-scatter now, or keep whole grads
+            self.backward(sync=sizes.sync_each or k == steps - 1)  # FSDP: reduce-scatter now, or keep whole grads
             self.have_grads = True
-        tl.transient("optimizer", z.step_temp)
+        tl.transient("optimizer", sizes.step_temp)
         tl.free("grads", tl.now["grads"])  # zero_grad(set_to_none=True)
         return tl
 
     def forward(self) -> None:
-        tl, sh, z, r, keep = self.tl, self.sh, self.z, self.r, self.keep
-        sbh = sh.sbh
-        self.gather(z.root, "activations")
+        tl, shapes, sizes, r, keep = self.tl, self.shapes, self.sizes, self.r, self.keep
+        sbh = shapes.sbh
+        self.gather(sizes.root, "activations")
         # Embedding outputs (x0 = wte(idx) + wpe(pos) with learned positions): the residual stream (B, T, C).
-        tl.transient("activations", z.embed_temp)
-        tl.alloc("activations", keep(sbh * r) + z.rotary)
-        for saved, full in self.z.blocks:
-            self.gather(z.block, "activations")
-            tl.alloc("activations", self.z.block_cast)
-            tl.transient("activations", min(full - saved, z.inner_temp))  # made and dropped inside
+        tl.transient("activations", sizes.embed_temp)
+        tl.alloc("activations", keep(sbh * r) + sizes.rotary)
+        for saved, full in sizes.blocks:
+            self.gather(sizes.block, "activations")
+            tl.alloc("activations", sizes.block_cast)
+            tl.transient("activations", min(full - saved, sizes.inner_temp))  # made and dropped inside
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
-            tl.transient("activations", z.forward_temp)  # with all the layer keeps alive
-            if z.reshard:
-                self.release(z.block)
+            tl.transient("activations", sizes.forward_temp)  # with all the layer keeps alive
+            if sizes.reshard:
+                self.release(sizes.block)
         # ln_f statistics and output (the head's input), then the head and the loss.
-        tl.alloc("activations", keep(self.z.ln_f_stats + self.ln_copy) + self.head_input() + self.z.lm_head_cast)
+        tl.alloc("activations", keep(sizes.ln_f_stats + self.ln_copy) + self.head_input() + sizes.lm_head_cast)
         self.loss_forward()
         # Autocast's cache goes with the forward: casts backward does not need on the device with it.
-        tl.free("activations", sum(self.z.block_cast for saved, _ in self.z.blocks if not self.keeps_cast(saved))
-                + self.z.lm_head_cast - self.head_cast_kept())
-        if z.reshard:  # the root's forward ends with the loss; its backward gathers it again
-            self.release(z.root)
+        tl.free("activations", sum(sizes.block_cast for saved, _ in sizes.blocks if not self.keeps_cast(saved))
+                + sizes.lm_head_cast - self.head_cast_kept())
+        if sizes.reshard:  # the root's forward ends with the loss; its backward gathers it again
+            self.release(sizes.root)
 
     def backward(self, sync: bool) -> None:
-        tl, sh, z, c, r, keep = self.tl, self.sh, self.z, self.c, self.r, self.keep
-        sbh, wte = sh.sbh, z.grads[sh.embedding]
-        if z.reshard:
-            self.gather(z.root, "other")
+        tl, shapes, sizes, c, r, keep = self.tl, self.shapes, self.sizes, self.c, self.r, self.keep
+        sbh, wte = shapes.sbh, sizes.grads[shapes.embedding]
+        if sizes.reshard:
+            self.gather(sizes.root, "other")
         self.loss_backward()
         # What the head saved (its weight's cast, unless chunked; its input, ln_f's output), and of it on the device.
-        saved = (self.z.lm_head_cast if z.loss_chunks == 1 else 0.0) + sbh * self.c
+        saved = (self.sizes.lm_head_cast if sizes.loss_chunks == 1 else 0.0) + sbh * self.c
         on_device = self.head_cast_kept() + self.head_input()
         tl.transient("activations", saved - on_device)  # back from the host
-        tl.free("activations", keep(self.z.ln_f_stats + sbh * r + self.ln_copy) + on_device)  # and x_L
+        tl.free("activations", keep(self.sizes.ln_f_stats + sbh * r + self.ln_copy) + on_device)  # and x_L
         tl.alloc("other", sbh * r)  # d x_L (replaces d ln_f out)
         tl.free("other", sbh * c)
-        for i in reversed(range(sh.layers)):
-            saved, full = self.z.blocks[i]
-            if z.reshard:
-                self.gather(z.block, "other")
-            back = full - saved + (saved if self.z.offload_acts else 0)  # recomputed, or copied back from the host
-            back += 0 if self.keeps_cast(saved) else self.z.block_cast  # cast again, or copied back
+        for i in reversed(range(shapes.layers)):
+            saved, full = self.sizes.blocks[i]
+            if sizes.reshard:
+                self.gather(sizes.block, "other")
+            back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
+            back += 0 if self.keeps_cast(saved) else self.sizes.block_cast  # cast again, or copied back
             early = 0.0  # kept bytes freed before the recompute
-            if z.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
+            if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("activations", back)
                 if full > saved:  # what the recomputed forward makes and drops
-                    tl.transient("activations", z.forward_temp)
-                tl.transient("other", z.inner_temp)  # d c_fc out and d GELU out alive together
+                    tl.transient("activations", sizes.forward_temp)
+                tl.transient("other", sizes.inner_temp)  # d c_fc out and d GELU out alive together
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
-                tl.transient("other", z.inner_temp)  # whose saved tensors are gone by then
-                early = keep(z.mlp_saved)
+                tl.transient("other", sizes.inner_temp)  # whose saved tensors are gone by then
+                early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
                 tl.alloc("activations", back)
             for n in self.block_names[i]:
-                self.grad(z.grads[n])
-            kept = keep(saved) + (self.z.block_cast if self.keeps_cast(saved) else 0) - early
+                self.grad(sizes.grads[n])
+            kept = keep(saved) + (self.sizes.block_cast if self.keeps_cast(saved) else 0) - early
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0))  # and its input (x0 below)
-            self.reduce(z.block, self.block_names[i], sync)
-            self.release(z.block)
+            self.reduce(sizes.block, self.block_names[i], sync)
+            self.release(sizes.block)
         # Embedding backward: its dense (V, C) gradient and a tied head's share are summed out of
         # place (three wte-sized tensors alive at once); the sum becomes wte.grad, or is added into it.
-        if not sh.lm_head:
+        if not shapes.lm_head:
             tl.alloc("other", 2 * wte)
             tl.free("other", 3 * wte)
-        for n in [sh.embedding, *(n for n in self.root_names if n not in (sh.embedding, sh.lm_head))]:
-            self.grad(z.grads[n])
-        tl.free("activations", keep(sbh * r) + z.rotary)
+        for n in [shapes.embedding, *(n for n in self.root_names if n not in (shapes.embedding, shapes.lm_head))]:
+            self.grad(sizes.grads[n])
+        tl.free("activations", keep(sbh * r) + sizes.rotary)
         tl.free("other", sbh * r)
-        self.reduce(z.root, self.root_names, sync)
-        self.release(z.root)
+        self.reduce(sizes.root, self.root_names, sync)
+        self.release(sizes.root)
 
     def grad(self, nbytes: float) -> None:
         """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
         (briefly both), or stepped and freed at once (optimizer.in_backward), or copied into its
         DDP bucket, which .grad then views (gradient_as_bucket_view)."""
-        whole_kept = self.have_grads and not self.z.sync_each  # FSDP syncing each micro-step shards them
-        if self.z.in_backward or self.z.grads_in_buckets or (whole_kept and not self.z.upcast):
+        whole_kept = self.have_grads and not self.sizes.sync_each  # FSDP syncing each micro-step shards them
+        if self.sizes.in_backward or self.sizes.grads_in_buckets or (whole_kept and not self.sizes.upcast):
             self.tl.transient("grads", nbytes)
         else:
             self.tl.alloc("grads", nbytes)
@@ -232,10 +234,10 @@ class Step(LossPlay):
         whole gradients are copied into one flat buffer for the reduce-scatter and freed, and this
         rank's shard of the sum becomes its gradient, or is added into it; on the others they wait
         (in fp32 beside .grad under mixed precision)."""
-        if not unit or self.z.in_backward:
+        if not unit or self.sizes.in_backward:
             return
-        whole = ("grads", sum(self.z.grads[n] for n in names))
-        if self.z.upcast:
+        whole = ("grads", sum(self.sizes.grads[n] for n in names))
+        if self.sizes.upcast:
             summed = ("other", whole[1] / self.c * 4)
             if not self.have_grads:  # the first micro-step converts .grad; later ones add into it
                 self.tl.alloc(*summed)
@@ -244,7 +246,7 @@ class Step(LossPlay):
         if sync:
             self.tl.alloc("other", unit.reduce_input)
             self.tl.free(*whole)
-            if self.have_grads and self.z.sync_each:  # an earlier micro-step's shards: these add into them
+            if self.have_grads and self.sizes.sync_each:  # an earlier micro-step's shards: these add into them
                 self.tl.transient("other", unit.sharded_grads)
             else:
                 self.tl.alloc("grads", unit.sharded_grads)

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from launch import cpus as host_cpus
 from launch import rebuild_launcher
-from launch.gpu_pool import Lease, Point, gpus_wanted, host_gpus, packed
+from launch.gpu_pool import Lease, QueuedPoint, gpus_wanted, host_gpus, packed
 from launch.jobs import no_result
 from launch.nvml import near_cpus
 
@@ -190,14 +190,14 @@ class GpuPoolLauncher(LocalLauncher):
                 _show_done(point, f"{point.label}  GPU {_ids(lease.ids)}", returns[point.idx])
         return [returns[p.idx] for p in points]
 
-    def _point(self, idx: int, overrides: Sequence[str], host: int) -> Point:
+    def _point(self, idx: int, overrides: Sequence[str], host: int) -> QueuedPoint:
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         distributed = not str(cfg.parallel._target_).endswith(".Single")  # torchrun's ranks (ablate/outcome.py)
-        return Point(idx, list(overrides), gpus_wanted(distributed, cfg.parallel.get("nproc", 1), host),
+        return QueuedPoint(idx, list(overrides), gpus_wanted(distributed, cfg.parallel.get("nproc", 1), host),
                      cfg.device != "cpu" and not cfg.predict_only, cfg.hydra.job.override_dirname or "defaults",
                      Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir))
 
-    def _too_big(self, point: Point, gpus: list[int]) -> JobReturn:
+    def _too_big(self, point: QueuedPoint, gpus: list[int]) -> JobReturn:
         from ablate.job import record_unlaunched
 
         reason = (f"parallel.nproc={point.wants} > {len(gpus)} GPUs on this host "
@@ -207,7 +207,7 @@ class GpuPoolLauncher(LocalLauncher):
         _show_done(point, point.label, ret)
         return ret
 
-    def _start(self, point: Point, lease: Lease) -> Any:
+    def _start(self, point: QueuedPoint, lease: Lease) -> Any:
         point.submitted = datetime.now(timezone.utc).isoformat()
         print(f"[running] {point.label}  GPU {_ids(lease.ids)}  CPUs {host_cpus.fmt(lease.cpus)}", flush=True)
         return self._submit(point.idx, point.overrides, lease.ids, lease.cpus)
@@ -257,7 +257,7 @@ def _stop(job: Any, grace_s: float = 15.0) -> None:
         pass
 
 
-def _show_done(point: Point, label: str, ret: JobReturn) -> None:
+def _show_done(point: QueuedPoint, label: str, ret: JobReturn) -> None:
     """The point's line in the sweep's console (`label` names its GPUs), as its job printed it in
     its own log."""
     from ablate.console import Progress
