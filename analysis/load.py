@@ -45,6 +45,7 @@ def _row(result: dict, path: Path) -> dict:
     row["losses"] = metrics.get("losses") or None  # per-step list, for loss curves
     prediction = result.get("prediction") or {}
     row["predicted_peak_mib"] = prediction.get("peak_mib")
+    row["predicted_step_time_s"] = prediction.get("step_time_s")  # results before the time model: none
     for prefix, parts in (("breakdown", metrics.get("breakdown_mib")),
                           ("predicted_breakdown", prediction.get("breakdown_mib"))):
         row.update({f"{prefix}_{k}_mib": v for k, v in (parts or {}).items()})

@@ -15,10 +15,11 @@ from pathlib import Path
 import pandas as pd
 
 from ablate.results import STATUSES
-from analysis import compare, provenance, table_cells, tables
+from analysis import compare, provenance, recommend, table_cells, tables
 from analysis.load import load
 
 TABLES = ("setting", "batch", "full")
+TEXT_COLUMNS = ("Setting", "Group", "Option", "Against", "Status", "Card", "Recommended", "Runners-up")
 
 
 def _parse_baseline(text: str | None) -> dict[str, str] | None:
@@ -38,7 +39,10 @@ def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple
     out = []
     for title, part, part_labels in families:
         suffix = f": {title}" if title else ""
-        if "setting" in which:
+        if "setting" in which and recommend.spans_cards(part):  # a plan over cards: the answer, then by card
+            out.append(("Recommended" + suffix, recommend.recommendation(part, part_labels)))
+            out.append(("Setting by card" + suffix, recommend.by_card(part, part_labels)))
+        elif "setting" in which:
             heading = "Setting (ladder)" if ladder else "Setting"
             out.append((heading + suffix, tables.setting(part, part_labels, bases[part.index[0]], ladder=ladder)))
         if "batch" in which and "batch_size" in part_labels:
@@ -53,7 +57,7 @@ def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple
 
 
 def markdown(table: pd.DataFrame, labels: list[str]) -> str:
-    align = ["left" if c in labels or c in ("Setting", "Group", "Option", "Against", "Status") else "right"
+    align = ["left" if c in labels or c in TEXT_COLUMNS else "right"
              for c in table.columns]
     return table.to_markdown(index=False, colalign=align, disable_numparse=True)
 
@@ -211,7 +215,9 @@ def tables_of(view: View, args: argparse.Namespace, out: Path) -> tuple[list[tup
     from analysis.module_memory import SNAPSHOT_NOTE, snapshot_table
 
     parts = sections(view.df, view.labels, view.bases, tuple(args.table or TABLES), view.ladder, view.families)
-    snapshots, notes = snapshot_table(view.df, view.labels, out), {}
+    snapshots = snapshot_table(view.df, view.labels, out)
+    notes = {t: recommend.BY_CARD_NOTE for t, _ in parts if t.startswith("Setting by card")}
+    notes.update({t: recommend.NOTE for t, _ in parts if t.startswith("Recommended")})
     if not snapshots.empty:  # CUDA runs: their allocator snapshots, linked
         parts.append(("Memory snapshots", snapshots))
         notes["Memory snapshots"] = SNAPSHOT_NOTE

@@ -39,11 +39,18 @@ def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     DDP (2 processes)', or a reader of `parallel=fsdp,ddp`'s table could not tell what '+ FSDP'
     replaced."""
     if row.name == base.name:
-        cols = [c for c in labels if c.split(".")[0] in BASELINE]  # groups and their option keys
-        own = changes(row, pd.Series({**BASELINE, **{c: None for c in cols if "." in c}}), cols)
+        own = combination(row, labels)
         return f"Baseline (batch size = {row['batch_size']})" + (": " + " + ".join(own) if own else "")
     parts = changes(row, base, labels)
     return " ".join(p if p.startswith("− ") else "+ " + p for p in parts) if parts else "Baseline (repeat)"
+
+
+def combination(row: pd.Series, labels: list[str]) -> list[str]:
+    """The techniques `row` runs against every group's do-nothing option, one name each ("Pure
+    bf16", "Block recompute"): [] for the plain run. Only its groups and their option keys among
+    `labels` count: a card or a batch size is not a technique."""
+    cols = [c for c in labels if c.split(".")[0] in BASELINE]
+    return changes(row, pd.Series({**BASELINE, **{c: None for c in cols if "." in c}}), cols)
 
 
 def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:

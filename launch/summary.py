@@ -8,7 +8,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from ablate.results import RESULT_FILE, STATUSES, load
+from ablate.results import PRUNED, RESULT_FILE, STATUSES, load
 
 FAILED = tuple(s for s in STATUSES if s not in ("ok", "predicted"))  # oom, invalid, error, timeout, diverged
 SHOWN = 20  # failed points listed by name; the rest are counted
@@ -26,13 +26,40 @@ def summary(sweep_dir: Path) -> str:
     counts = {s: sum(status == s for _, status, _ in results) for s in STATUSES}
     lines = [f"{len(results)} result{'s' if len(results) != 1 else ''} under {sweep_dir}: "
              + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
-    failed = [(point, status, reason) for point, status, reason in results if status in FAILED]
+    answer = per_card(sweep_dir)
+    lines += answer
+    failed = [(point, status, reason) for point, status, reason in results if status in FAILED
+              and not (answer and (reason or "").startswith(PRUNED))]  # a plan's misfits are in its answer
     lines += [f"  {status}: {point}: {reason.splitlines()[0] if reason else 'no reason given'}"
               for point, status, reason in failed[:SHOWN]]
     if len(failed) > SHOWN:
         lines.append(f"  ... and {len(failed) - SHOWN} more failed points")
     lines.append(f"report: python -m analysis.report {sweep_dir}")
     return "\n".join(lines)
+
+
+def per_card(sweep_dir: Path) -> list[str]:
+    """For a plan or a sweep over card sizes, per card: the recommended combination and what else
+    fits (the report's Recommended table, analysis/recommend.py); [] for any other sweep."""
+    try:  # pandas and the report's code: only at the sweep's end, and never at the summary's cost
+        from analysis import compare, recommend
+        from analysis.load import load as load_rows
+
+        df = load_rows([sweep_dir])
+        if df.empty or not recommend.spans_cards(df):
+            return []
+        labels = compare.varied(df)
+        lines = []
+        for card, capacity, best, rows in recommend.answers(df, labels):
+            if not best:
+                lines.append(f"  {card}: nothing fits{recommend.leanest(rows, labels)}")
+                continue
+            of = f" of {capacity:,.0f}" if capacity else ""
+            lines.append(f"  {card}: {recommend.briefly(best[0], labels)[:-1]}{of})")
+            lines += [f"    also fits: {recommend.briefly(r, labels)}" for r in best[1:]]
+        return ["recommended, per card:", *lines] if lines else []
+    except Exception as exc:  # a result the report cannot read: the counts above still stand
+        return [f"  (no recommendation: {type(exc).__name__}: {exc})"]
 
 
 class SweepSummary(Callback):
