@@ -1,7 +1,8 @@
 """Every result.json below the paths -> the tables and plots memory studies publish.
 
 Prints Markdown to stdout; writes report.md (tables and plots), runs.csv (one row per run, every
-column) and the PNGs to --out (default <first PATH>/report/), and report.html with --format html.
+column) and the PNGs to --out (default <first PATH>/report/), and with --format html report.html,
+whose path it prints.
 Failed points stay in every table, as OOM / invalid / error / timeout cells.
 """
 from __future__ import annotations
@@ -152,7 +153,9 @@ def _parser() -> argparse.ArgumentParser:
                                            "parallel=fsdp or optimizer=adamw,batch_size=32")
     parser.add_argument("--ladder", action="store_true", help="rows are cumulative: also Δ vs previous row")
     parser.add_argument("--table", choices=TABLES, action="append", help="only these tables (repeatable; default: all)")
-    parser.add_argument("--format", choices=("md", "csv", "html"), default="md", help="what stdout gets")
+    parser.add_argument("--format", choices=("md", "csv", "html"), default="md",
+                        help="what stdout gets: the Markdown report, the full table as CSV, or the path of "
+                             "report.html (written beside report.md)")
     parser.add_argument("--out", help="where report.md, runs.csv and the plots go (default: <PATH>/report)")
     return parser
 
@@ -246,7 +249,7 @@ def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
         html = page(view.title, [Section(t, tab, note) for (t, tab), note in zip(parts, footnotes)], images,
                     about=view.about)
         write(out / "report.html", html)
-        print(html)
+        print(out / "report.html")  # a page of plots inlined runs to megabytes: its path, not the page
     elif args.format == "csv":  # the full table, as written above when it was asked for
         full = dict(parts).get("All runs")
         numbers(tables.full(df, labels, view.bases) if full is None else full).to_csv(sys.stdout, index=False)

@@ -136,7 +136,8 @@ def test_report_command_html_opens_in_chromium(chromium, tmp_path, capsys):
         results.write_json(tmp_path / "runs" / opt / "result.json", r)
     assert main([str(tmp_path / "runs"), "--format", "html", "--out", str(tmp_path / "report")]) == 0
     page_path = tmp_path / "report" / "report.html"
-    assert capsys.readouterr().out.startswith("<!DOCTYPE html>")
+    assert capsys.readouterr().out == f"{page_path}\n"  # the page's path, not its megabytes
+    assert page_path.read_text().startswith("<!DOCTYPE html>")
     dom = _browse(chromium, tmp_path, "--dump-dom", page_path.as_uri())
     assert dom.returncode == 0
     for text in ("Baseline (batch size = 8)", "+ SGD", "OOM", "oom: CUDA out of memory", "data:image/png;base64,"):
