@@ -42,7 +42,7 @@ def check_types(group: str, node: dict) -> None:
     for key, value in node.items():
         hint = hints.get(key)
         if hint is not None and not fits(value, hint):
-            raise Invalid(f"{group}.{key}={value!r} must be {_name(hint)}")
+            raise Invalid(f"{group}.{key}={value!r} must be {type_name(hint)}")
 
 
 def fits(value, hint) -> bool:
@@ -68,7 +68,7 @@ def fits(value, hint) -> bool:
     return isinstance(value, hint)
 
 
-def _name(hint) -> str:
+def type_name(hint) -> str:
     if hint is float:
         return "a finite float"
     return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "").replace("collections.abc.", "")

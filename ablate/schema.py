@@ -227,6 +227,26 @@ def _wrong_type(o, hint) -> str | None:
     return None
 
 
+def _wrong_option_type(o, group: str, key: str, chosen: list[str]) -> str | None:
+    """The error for an option key given a value its options' files show it cannot take: a number
+    where the file has one (optimizer.lr=abc), a bool where it has one. Read off the files' own
+    values, not the classes' annotations (ablate/keytypes.py checks those in the job), so that
+    the command line imports no torch; a key whose file value is null or text passes here."""
+    from ablate.keytypes import fits, type_name
+
+    values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+    for option in chosen:
+        default = option_defaults(group, option).get(key)
+        kind = bool if isinstance(default, bool) else int if isinstance(default, int) else \
+            float if isinstance(default, float) else None
+        bad = next((v for v in values if kind and v is not None and not fits(v, kind)), None)
+        if bad is not None:
+            shown = str(default).lower() if isinstance(default, bool) else default
+            # the words the job's own check (ablate/keytypes.py) uses for the same value
+            return f"{o.key_or_group}={bad!r} must be {type_name(kind)} ({group}={option} has {shown})."
+    return None
+
+
 def unknown_key(argv: list[str]) -> str | None:
     """The error for a command line that sets a key no config has, naming the closest key and the
     valid ones (Hydra's own says only "Key 'batch_sz' not in 'Config'", or suggests `+key` for an
@@ -269,6 +289,8 @@ def unknown_key(argv: list[str]) -> str | None:
                 errors.append(f"{o.key_or_group}: not a key of {head}={lacking[0]}{belongs_to(head, key)}. Its keys: "
                               + ", ".join(prefix + k for k in option_takes(head, lacking[0])) + ".")
                 continue
+            if not rest.count(".") and key in valid:
+                errors.append(_wrong_option_type(o, head, key, chosen))
         else:
             prefix, key, valid = "", head, [f.name for f in fields(Config)] + [*OVERLAYS, "hydra"]
             if key in RUN_TYPES and not rest:

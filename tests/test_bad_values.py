@@ -124,3 +124,30 @@ def test_a_run_and_a_plan_both_refuse_a_file_that_is_not_text_through_the_cli(tm
     assert reasons == {str(binary): ("invalid", f"data.path={binary} is not UTF-8 text: invalid start byte at byte 0"),
                        str(nul): ("invalid", f"data.path={nul} is not text: a NUL byte at byte 5")}
     assert not started_pids(tmp_path) and not list((tmp_path / "s").rglob("worker.log"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["optimizer.lr=abc"], "optimizer.lr='abc' must be a finite float (optimizer=adamw has 0.0006)."),
+    (["-m", "optimizer=adamw,sgd", "optimizer.lr=0.1,abc"], "optimizer.lr='abc' must be a finite float"),
+    (["accumulation=x2", "accumulation.steps=2.5"], "accumulation.steps=2.5 must be int (accumulation=x2 has 2)."),
+    (["optimizer.in_backward=yes"], "optimizer.in_backward='yes' must be bool (optimizer=adamw has false)."),
+    (["checkpoint=block", "checkpoint.every_n=x"], "checkpoint.every_n='x' must be int"),
+])
+def test_an_option_key_of_the_wrong_type_is_refused_on_the_command_line(argv, message):
+    from ablate.schema import unknown_key
+
+    assert message in (unknown_key(argv) or "")
+
+
+def test_values_of_the_files_types_and_keys_whose_file_has_none_pass_the_command_line():
+    from ablate.schema import unknown_key
+
+    for argv in (["optimizer.lr=1"], ["optimizer.lr=1e-3"], ["optimizer=sgd", "optimizer.momentum=0.9"],
+                 ["optimizer.in_backward=true"], ["parallel=ddp", "parallel.nproc=auto"]):
+        assert unknown_key(argv) is None, argv
+
+
+def test_a_typed_value_error_exits_1_and_writes_no_row(tmp_path):
+    proc = run_cli(["optimizer.lr=abc"], tmp_path)
+    assert proc.returncode == 1 and "optimizer.lr='abc' must be a finite float" in proc.stderr
+    assert results_under(tmp_path) == []  # refused like a misspelt key, not a row in the next report
