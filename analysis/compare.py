@@ -191,12 +191,26 @@ def families(df: pd.DataFrame, labels: list[str], keys: list[str] | None = None
     if not keys:
         return [(None, df, labels)]
     parts = []
+    named = naming_keys(df, keys)
     for key, part in df[keys].fillna("").astype(str).groupby(keys, sort=False):
         part = df.loc[part.index]
-        title = ", ".join(f"{c}={v}" for c, v in zip(keys, key) if v != "")
+        title = ", ".join(f"{c}={v}" for c, v in zip(keys, key) if v != "" and c in named)
         rest = [c for c in labels if c not in keys]
         parts.append((title, part, [c for c in rest if varies(part[c])] or rest or labels))
     return parts
+
+
+def naming_keys(df: pd.DataFrame, keys: list[str]) -> list[str]:
+    """The fewest of `keys`, in their order, that still tell every family apart: a key that adds no
+    family to those before it (a model's hidden size beside its name) stays out of the titles, which
+    over a mixed outputs/ would otherwise name nine keys each."""
+    text = df[keys].fillna("").astype(str)
+    kept, count = [], 1
+    for key in keys:
+        n = len(text[[*kept, key]].drop_duplicates())
+        if n > count:
+            kept, count = [*kept, key], n
+    return kept
 
 
 def baselines(df: pd.DataFrame, labels: list[str], baseline: dict[str, str] | None,

@@ -236,6 +236,7 @@ def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
     df, labels = view.df, view.labels
     jobs = plot_jobs(df, labels, out, view.bases)
     (parts, notes), images = drawn(jobs, lambda: tables_of(view, args, out), first=slowest_first(jobs))
+    stale(out, images)
     footnote = table_cells.footnote(table_cells.on_cpu(df))
     about = [f"- {name}: {value}" if name else f"\n{value}" for name, value in view.about]
     text = render(view.title, about, parts, labels, images, notes, footnote)
@@ -258,6 +259,19 @@ def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
     print(f"wrote {out}/report.md, runs.csv{', report.html' if args.format == 'html' else ''} and "
           f"{len(images)} plot{'s' if len(images) != 1 else ''}", file=sys.stderr)
     return 0
+
+
+PLOTS = ("breakdown", "pareto", "batch_scan", "loss_curves", "memory_by_module")  # the stems of the plots it draws
+
+
+def stale(out: Path, images: list[Path]) -> None:
+    """Remove the plots an earlier report left in `out` that this one did not draw (another family,
+    a table no longer asked for): report.md would not show them, a reader of the folder would. Only
+    files named as the report names its plots; anything else in `out` stays."""
+    drawn = {p.name for p in images}
+    for path in out.glob("*.png"):
+        if path.name not in drawn and (path.stem in PLOTS or path.stem.split("-", 1)[0] in PLOTS):
+            path.unlink(missing_ok=True)
 
 
 def cli() -> None:

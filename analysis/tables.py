@@ -179,8 +179,8 @@ BATCH_COLUMNS = ("batch_size", "status", "reason", MEMORY, "predicted_peak_mib",
 
 def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
     """Batch Size | Memory (MiB) | GPU Usage % | TFLOP/s | Iteration Time (ms), one table per
-    combination of the other varied columns (in the order the rows come: a ladder's rung order),
-    rows up to and including the first OOM."""
+    combination of the other varied columns with two batch sizes or more (in the order the rows
+    come: a ladder's rung order), rows up to and including the first OOM."""
     others = [c for c in labels if c != "batch_size"]
     cols = list(dict.fromkeys([*others, *(c for c in BATCH_COLUMNS if c in df)]))
     parts: dict[tuple, list[dict]] = {}  # as groupby(others, sort=False, dropna=False): nulls are one key
@@ -188,6 +188,8 @@ def batch(df: pd.DataFrame, labels: list[str]) -> dict[str, pd.DataFrame]:
         parts.setdefault(tuple(None if pd.isna(row[c]) else row[c] for c in others), []).append(row)
     tables = {}
     for key, part in parts.items():
+        if len(part) < 2:  # one batch size is no scan (a mixed outputs/ has many such)
+            continue
         title = ", ".join(f"{c}={v}" for c, v in zip(others, key) if v is not None) or "all runs"  # null: unset
         part = sorted(part, key=lambda row: row["batch_size"])  # stable: ties keep the rows' order
         rate, rates = flops(pd.Series([r["tflops"] if r["status"] == "ok" else None for r in part], dtype=object))

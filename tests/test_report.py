@@ -89,6 +89,25 @@ def test_batch_table_stops_at_the_first_oom_and_shows_usage_mean_std(tmp_path):
     assert t.iloc[5].tolist() == ["9", "OOM", "", "", ""]
 
 
+def test_a_combination_run_at_one_batch_size_gets_no_batch_table_of_one_row(tmp_path):
+    for b, peak in ((8, 3000), (16, 5000)):
+        _write(tmp_path, f"adamw{b}", peak=peak, latency=1.0, batch=b)
+    _write(tmp_path, "sgd8", peak=2000, latency=1.0, batch=8, optimizer="sgd")  # one batch size: no scan
+    df = load([tmp_path])
+    assert list(tables.batch(df, compare.varied(df))) == ["optimizer=adamw"]
+
+
+def test_a_report_again_removes_the_plots_it_no_longer_draws_and_nothing_else(ladder, tmp_path):
+    out = tmp_path / "report"
+    assert main([str(ladder), "--out", str(out)]) == 0
+    drawn = sorted(p.name for p in out.glob("*.png"))
+    (out / "pareto-seq_len-64.png").write_bytes(b"an earlier report's family")
+    (out / "breakdown-old.png").write_bytes(b"another")
+    (out / "my-notes.png").write_bytes(b"the user's own")
+    assert main([str(ladder), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == sorted([*drawn, "my-notes.png"])
+
+
 def test_a_plans_batch_table_shows_predicted_peaks_and_the_oom_it_predicted(tmp_path):
     """A plan with a capacity (predict_only gpu_memory_gib=...): no measured column is left empty,
     and the OOM row says it is a prediction, with its figure, not a measured out-of-memory."""
