@@ -1,4 +1,5 @@
 # The two README commands: `make demo` and `make test`. Everything they need is installed here.
+# `make docs` builds the documentation site (mkdocs.yml, docs/) into site/.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_FLOOR := 2.11
 DEMO_DIR ?= outputs/sweeps/demo
 
-.PHONY: demo test test-slow install install-dev clean
+.PHONY: demo test test-slow docs install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +21,10 @@ $(VENV)/.torch: | $(PY)
 	$(PY) -c "import sys, importlib.metadata as m; ver = lambda v: tuple(int(x) for x in v.split('+')[0].split('.')[:2]); sys.exit(ver(m.version('torch')) < ver('$(TORCH_FLOOR)'))" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	touch $@
 
+# The hf extra (transformers) comes with the plain install: the README's tour and its "Will my model
+# fit my GPU?" recipe build Hugging Face models, which without it are rows of `invalid`.
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[hf]'
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
@@ -47,5 +50,10 @@ test: install-dev
 test-slow: install-dev
 	$(PY) -m pytest -q -m slow
 
+# --strict: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails the build.
+# NO_MKDOCS_2_WARNING quiets mkdocs-material's banner about its successor.
+docs: install-dev
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache site

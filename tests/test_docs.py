@@ -1,14 +1,18 @@
 """The repository carries its own design: docs/architecture.md names every part of the result
 contract that ablate/results.py writes (every key of every section, every status, every config
-group), so a key added to the code without a line in the document fails here; and no tracked file
-points outside the repository at a sibling `shared` folder, which a clone does not have."""
+group), so a key added to the code without a line in the document fails here; the documentation
+site (mkdocs.yml over docs/) builds with --strict, so a broken link or anchor, or a page left out
+of its nav, fails here too; and no tracked file points outside the repository at a sibling `shared`
+folder, which a clone does not have."""
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import sys
 
 import pytest
+import yaml
 
 from ablate import results
 from ablate.events import PHASES
@@ -16,6 +20,7 @@ from ablate.schema import GROUPS
 from helpers import ROOT
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MKDOCS = ROOT / "mkdocs.yml"
 # Spelt in two parts so that this file, once tracked, does not hold what it looks for.
 OUTSIDE = ".." + "/shared"
 
@@ -56,6 +61,25 @@ def test_architecture_names_every_config_group_of_the_schema():
     named = named_in_backticks(ARCHITECTURE.read_text(encoding="utf-8")) if ARCHITECTURE.is_file() else set()
     missing = [g for g in GROUPS if g not in named]
     assert not missing, f"docs/architecture.md does not name the groups {missing}"
+
+
+def test_the_site_checks_links_anchors_and_orphan_pages_and_lists_every_page():
+    """Under strict, mkdocs fails only on what it warns of: these settings make it warn of a page
+    missing from nav, a link to no page or anchor, and an absolute link."""
+    config = yaml.safe_load(MKDOCS.read_text(encoding="utf-8"))
+    assert config["strict"] is True and config["docs_dir"] == "docs"
+    checks = ("omitted_files", "not_found", "absolute_links", "unrecognized_links", "anchors")
+    assert {k: config["validation"].get(k) for k in checks} == dict.fromkeys(checks, "warn")
+    listed = [page for entry in config["nav"] for page in entry.values()]
+    assert sorted(listed) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+
+
+def test_the_documentation_site_builds_strict(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--config-file",
+                           str(MKDOCS), "--site-dir", str(tmp_path / "site")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "site" / "architecture" / "index.html").is_file()
 
 
 def tracked_files() -> list[str]:

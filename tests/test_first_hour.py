@@ -55,7 +55,7 @@ def test_hydras_shell_completion_passes_the_key_check():
 
 
 def test_the_readmes_completion_line_completes_the_ablate_command():
-    """README: `eval "$(ablate --shell-completion install=bash)"`, then `ablate optim<TAB>`."""
+    """docs/usage.md: `eval "$(ablate --shell-completion install=bash)"`, then `ablate optim<TAB>`."""
     script = ('eval "$(ablate --shell-completion install=bash)"; COMP_LINE="ablate optim"; COMP_POINT=12; '
               'COMP_CWORD=1; hydra_bash_completion; echo "${COMPREPLY[@]}"')
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}

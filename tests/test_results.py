@@ -1,5 +1,5 @@
 """ablate/results.py: a row with every key, the atomic JSON write and its file mode, stable run ids,
-the index of finished results, and README's field table for every key of the contract."""
+the index of finished results, and docs/results.md's field table for every key of the contract."""
 from __future__ import annotations
 
 import json
@@ -19,16 +19,16 @@ def test_make_fills_every_key_with_null():
         results.make("abc", "crashed", None, {}, {}, [])
 
 
-def test_readme_explains_every_field_of_the_result_contract():
-    """Users read result.json through the README's field table: a metric, env key or status added
-    to the contract without a line there fails here."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## What each number means", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_explain_every_field_of_the_result_contract():
+    """Users read result.json through docs/results.md's field table: a metric, env key or status
+    added to the contract without a line there fails here."""
+    page = (Path(__file__).parents[1] / "docs" / "results.md").read_text()
+    section = page.split("## What each number means", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z0-9_.]+)`", section))
     named |= {n.split(".", 1)[1] for n in named if n.count(".") == 1}  # `env.emulated_gpu_mib`
     named |= {n + suffix for n in named for suffix in ("_p10", "_p90")}  # "`iter_time_ms` (+ `_p10`, `_p90`)"
     missing = [k for k in (*results.METRIC_KEYS, *results.STATUSES, "emulated_gpu_mib") if k not in named]
-    assert not missing, f"README's 'What each number means' does not explain {missing}"
+    assert not missing, f"docs/results.md's 'What each number means' does not explain {missing}"
 
 
 def test_write_json_is_atomic_and_rejects_nan(tmp_path):
