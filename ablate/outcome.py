@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -16,6 +17,7 @@ from ablate.build import check_config
 from ablate.capacity import capacity_mib, host_free_mib
 from ablate.console import Progress
 from ablate.predict import Prediction, predict
+from ablate.predict.step_time import step_time_s
 from ablate.predict.timeline import Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
@@ -65,15 +67,18 @@ def run_once(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progr
 
 
 def predicted(spec: RunSpec) -> Prediction | None:
-    """The point's predicted memory; a method that fails falls back to the analytic model, one the
-    analytic model has no sizes for (a model family it does not describe) to the trace, and a
-    prediction that cannot be made is a warning, never a lost point."""
+    """The point's predicted memory and step time; a method that fails falls back to the analytic
+    model, one the analytic model has no sizes for (a model family it does not describe) to the
+    trace, and a prediction that cannot be made is a warning, never a lost point."""
     methods = [] if spec.predict == "none" else list(dict.fromkeys([spec.predict, "analytic"]))
     if spec.device == "auto" and not spec.predict_only and not visible_gpu_count():
         spec = spec.replace(device="cpu")  # this point is about to run here, on the CPU
     for method in methods:
         try:
-            return predict(spec, method)
+            prediction = predict(spec, method)
+            # The same time whatever the method: the time model reads sizes, never a trace.
+            prediction.step_time_s = step_time_s(spec, None if spec.device == "cpu" else seen_gpu())
+            return prediction
         except Unmodelled as exc:  # e.g. a model family it has no layer sizes for: the trace runs any
             print(f"note: {exc}; predicting with predict=trace instead", file=sys.stderr)
             if "trace" not in methods:
@@ -81,6 +86,24 @@ def predicted(spec: RunSpec) -> Prediction | None:
         except Exception as exc:  # e.g. an option the fake-tensor trace cannot follow
             print(f"warning: predict={method} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     return None
+
+
+def seen_gpu() -> str | None:
+    """The name of the first GPU a worker started from here would see, as torch.cuda names it
+    ("NVIDIA H100 80GB HBM3"), read from NVML without initialising CUDA; None without one."""
+    if not visible_gpu_count():
+        return None
+    try:
+        import pynvml  # nvidia-ml-py, which launch/nvml.py reads the GPUs with
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+        handle = (pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit()
+                  else pynvml.nvmlDeviceGetHandleByUUID(visible))
+        name = pynvml.nvmlDeviceGetName(handle)
+        return name.decode() if isinstance(name, bytes) else name
+    except Exception:  # no driver, an odd CUDA_VISIBLE_DEVICES entry: the card is not known
+        return None
 
 
 def _over_the_host(spec: RunSpec, prediction: Prediction | None, gpu_mib: float | None) -> str | None:

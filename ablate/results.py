@@ -68,7 +68,7 @@ def make(run_id: str, status: str, reason: str | None, choices: dict, config: di
         "config": config,
         "overrides": overrides,
         "metrics": {k: metrics.get(k) for k in METRIC_KEYS},
-        "prediction": prediction or {"peak_mib": None, "breakdown_mib": None, "method": None},
+        "prediction": prediction or {"peak_mib": None, "breakdown_mib": None, "method": None, "step_time_s": None},
         "env": {k: env.get(k) for k in ENV_KEYS},
         "timing": {"started_at": None, "finished_at": None, "wall_s": None, "phases_s": None, **(timing or {})},
         "artifacts": {k: artifacts.get(k) for k in ARTIFACTS},

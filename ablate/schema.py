@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from ablate.groups import GROUPS  # noqa: F401  (the registry: every group, declared once)
+from ablate.hardware import DEVICES
 
 # Groups of `# @package _global_` overlays over the whole config, not techniques (no result "choice"):
 # a preset (experiment=leanest), and a scale of any preset (scale=cpu), applied after it.
@@ -34,6 +35,10 @@ class Device(str, Enum):
     auto = "auto"  # cuda when the worker sees a GPU, else cpu
     cpu = "cpu"
     cuda = "cuda"
+
+
+# The cards run key gpu_model names: those the step-time model has figures for (ablate/hardware.py).
+GpuModel = Enum("GpuModel", {d.name: d.name for d in DEVICES}, type=str)
 
 
 class Predict(str, Enum):
@@ -74,6 +79,12 @@ class RunKeys:
     predict: Predict = Predict.analytic  # how memory is predicted: analytic (instant), trace (seconds) or none
     predict_only: bool = False  # record each point's prediction (status "predicted") and run nothing
     gpu_memory_gib: Optional[float] = None  # emulate a GPU of this size (GiB); rows say so in env
+    # Card the predicted step time is for (null: the GPU in sight, else h100-sxm). Null means the
+    # GPU the worker sees; a plan without one in sight (predict_only=true device=cuda) is made for
+    # an H100 SXM. Part of run_id, unlike predict: a plan's step time is its answer, and the report
+    # keeps one row per run_id and machine, so a plan for two cards would lose one. A measured row
+    # measures the GPU it ran on whatever this says; naming a card there only costs a rerun.
+    gpu_model: Optional[GpuModel] = None
     prune: bool = False  # record a point predicted not to fit as an oom row without running it
     prune_margin: float = 0.1  # prune only above capacity x (1 + margin), as the prediction may be high
     find_batch: bool = False  # search the largest micro-batch that fits (accumulation keeps batch_size)

@@ -56,7 +56,7 @@ def test_result_carries_every_contract_field(sweep):
     for r in results_under(sweep[0] / "sweeps" / "first"):
         assert set(r) == TOP and r["schema"] == "ablate.result/1"
         assert set(r["metrics"]) == METRICS and set(r["env"]) == ENV and set(r["choices"]) == CHOICES
-        assert set(r["prediction"]) == {"peak_mib", "breakdown_mib", "method"}
+        assert set(r["prediction"]) == {"peak_mib", "breakdown_mib", "method", "step_time_s"}
         assert r["prediction"]["method"] == "analytic" and r["prediction"]["peak_mib"] > 0
         assert set(r["timing"]) == {"started_at", "finished_at", "wall_s", "phases_s"}
         # Where the wall time went: every phase of the worker, in order, within the job's wall time.

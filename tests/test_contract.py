@@ -39,7 +39,8 @@ def _good(run_id: str = "abc", status: str = "ok", host: str = "node1", peak: fl
     return results.make(run_id, status, None, CHOICES, config, [], metrics=metrics,
                         env={"hostname": host, "gpu_name": "NVIDIA H100 80GB HBM3", "gpu_total_mib": 81559.0,
                              "torch": "2.5.0", "world_size": 2},
-                        prediction={"peak_mib": 110.0, "breakdown_mib": {"params": 10.0}, "method": "analytic"},
+                        prediction={"peak_mib": 110.0, "breakdown_mib": {"params": 10.0}, "method": "analytic",
+                                    "step_time_s": 0.0125},
                         timing={"finished_at": finished, "wall_s": 2.0})
 
 
@@ -66,6 +67,7 @@ NOT_FINITE = [
     ("metrics.losses.1", "Infinity", "metrics.losses[1] is not a finite number"),
     ("metrics.breakdown_mib.activations", "-Infinity", "metrics.breakdown_mib.activations is not a finite number"),
     ("prediction.peak_mib", "NaN", "prediction.peak_mib is not a finite number"),
+    ("prediction.step_time_s", "Infinity", "prediction.step_time_s is not a finite number"),
     ("config.optimizer.lr", "Infinity", "config.optimizer.lr is not a finite number"),
     ("env.gpu_total_mib", "-1e400", "env.gpu_total_mib is not a finite number"),
 ]
@@ -109,6 +111,13 @@ def test_a_result_the_writer_makes_passes_a_diverged_one_with_null_losses_includ
         path = tmp_path / result["status"] / "result.json"
         results.write_json(path, result)
         assert results.load(path) == (result, None)
+
+
+def test_a_prediction_has_its_four_keys_null_when_nothing_was_predicted_and_the_report_reads_its_time(tmp_path):
+    nothing = results.make("abc", "error", "launch failed", CHOICES, {"batch_size": 8}, [])
+    assert nothing["prediction"] == {"peak_mib": None, "breakdown_mib": None, "method": None, "step_time_s": None}
+    results.write_json(tmp_path / "result.json", _good())
+    assert list(load([tmp_path])["predicted_step_time_s"]) == [0.0125]
 
 
 def test_the_report_skips_each_impossible_file_with_its_reason_and_reports_the_rest(tmp_path, capsys):

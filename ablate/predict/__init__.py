@@ -7,6 +7,7 @@ Two methods, one result shape (`Prediction`):
   under torch's MemTracker; needs no memory (a CUDA point: a visible GPU), takes seconds to minutes.
 
 Both predict one rank's device memory as the torch allocator sees it (peak_allocated_mib), in MiB.
+Beside it, whatever the method, the seconds of one optimizer step (ablate/predict/step_time.py).
 """
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ class Prediction:
     category_max_mib: dict  # each category's own maximum over the step (they peak at different times)
     method: str  # analytic | trace
     steady_mib: dict | None = None  # what stays once the step is over: params, optimizer states
+    step_time_s: float | None = None  # one optimizer step's seconds; None where it cannot be predicted
 
     def to_result(self) -> dict:
         """The result contract's `prediction` field."""
-        return {"peak_mib": self.peak_mib, "breakdown_mib": self.breakdown_mib, "method": self.method}
+        return {"peak_mib": self.peak_mib, "breakdown_mib": self.breakdown_mib, "method": self.method,
+                "step_time_s": self.step_time_s}
 
 
 def predict(spec, method: str) -> Prediction | None:

@@ -244,8 +244,9 @@ def _asked(t: Techniques) -> None:
             raise Unmodelled(f"no analytic memory model for group {group} (option {type(option).__name__})")
 
 
-def analytic(spec: RunSpec) -> Prediction:
-    """Predict one rank's device memory for a grid point (no torch allocation)."""
+def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
+    """A point's options, shapes and one rank's sizes, as the step is played (the step-time model,
+    ablate/predict/step_time.py, reads the same)."""
     t = Techniques.of(spec)
     _asked(t)
     device = "cpu" if spec.device == "cpu" else "cuda"  # auto: the GPU the user plans on
@@ -258,6 +259,12 @@ def analytic(spec: RunSpec) -> Prediction:
     # head's rows, which model.pad_vocab_to=64 aligns already
     sizes.pad_head = sizes.compiled and shapes.padded_vocab % (8 if sizes.compute_bytes == 2 else 4) != 0
     sizes.op_temps = device == "cuda"
+    return t, shapes, sizes
+
+
+def analytic(spec: RunSpec) -> Prediction:
+    """Predict one rank's device memory for a grid point (no torch allocation)."""
+    _, shapes, sizes = sized(spec)
     tl = Step(shapes, sizes).play(spec.batch_size * spec.seq_len)
     return Prediction(peak_mib=tl.peak / MIB, breakdown_mib={k: v / MIB for k, v in tl.at_peak.items()},
                       category_max_mib={k: v / MIB for k, v in tl.max.items()}, method="analytic",
