@@ -1,5 +1,8 @@
-"""Set recorded runs against the analytic memory model as it is now: per ok run of each
-benchmark's runs.csv, the measured peak, the prediction the run recorded, and the current model's.
+"""Set recorded runs against the analytic memory model and the step-time model as they are now:
+per ok run of each benchmark's runs.csv, the measured peak, the prediction the run recorded, and
+the current model's; the measured step time (median iter_time_ms) and the current model's for the
+GPU the run names; per page, how many rows are within TIME_TOLERANCE of their measured time, and
+for those that are not, which kind of row each is and why the model misses it (`MISSES`).
 
     python benchmarks/repredict.py benchmarks/results/<device>   ->  benchmarks/results/<device>/repredict.md
 
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -24,7 +29,8 @@ if str(ROOT) not in sys.path:  # run as `python benchmarks/repredict.py` without
     sys.path.insert(0, str(ROOT))
 
 from ablate.job import git_sha  # noqa: E402  (needs ROOT on the path)
-from ablate.predict.analytic import analytic  # noqa: E402
+from ablate.predict.analytic import analytic, sized  # noqa: E402
+from ablate.predict.step_time import device_of, parts, seconds, work_of  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
 from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
 from analysis.load import LEGACY, flat  # noqa: E402
@@ -32,6 +38,52 @@ from analysis.load import LEGACY, flat  # noqa: E402
 # compile: on CUDA the model plays the compiled loss, and the key tells a compiled row from its
 # eager twin in the table.
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "samples", "device", "compile", "gpu_memory_gib")
+TIME_TOLERANCE = 0.2  # a predicted step time within 20% of the measured one
+SPREAD = 0.1  # timed steps whose p10 and p90 lie further apart than 10% of their median: a disturbed run
+MISS = "Time miss"  # the table's column of each row's kind of miss (MISSES), None where it is within
+
+
+@dataclass
+class Miss:
+    """A kind of row the step-time model misses, and why, in a sentence or two for the page."""
+
+    kind: str
+    why: str
+    test: Callable  # (row, work, parts, arch) -> bool
+
+
+# In order: a row is of the first kind it fits.
+MISSES = [
+    Miss("mixture-of-experts samples",
+         "The model's FLOPs, bytes and launches account for a quarter to 70% of their measured time; the "
+         "rest is most likely the host launching transformers' routing (a sort, a histogram, gathers and "
+         "scatters per layer), which the model counts as a dense layer's launches.",
+         lambda row, work, split, arch: arch is not None and arch.experts > 0),
+    Miss("an optimizer stepping in backward that reads values",
+         "Each tensor's step waits for the device, so the model adds host time to device time; the host's "
+         "share is one machine's, and another host waits less or more (offload rows move their "
+         "activations over the host link besides).",
+         lambda row, work, split, arch: work.host_waits),
+    Miss("host-bound points",
+         "The model's host time (Python launching kernels) exceeds its device time for so few tokens; how "
+         "fast a host launches differs between machines, by up to 2x between the recorded ones, and the "
+         "model holds one figure for it.",
+         lambda row, work, split, arch: split["host"] > split["device"]),
+    Miss("disturbed runs",
+         f"Their own timed steps spread by more than {SPREAD:.0%} of the median between p10 and p90, so "
+         "the median is the machine's at that moment more than the point's.",
+         lambda row, work, split, arch: _set(row.get("iter_time_ms_p90")) and _set(row.get("iter_time_ms_p10"))
+         and row["iter_time_ms_p90"] - row["iter_time_ms_p10"] > SPREAD * row["iter_time_ms"]),
+]
+
+
+def miss_of(row: pd.Series, spec: RunSpec, work, split: dict) -> str:
+    """The kind of a row whose predicted time misses (MISSES), "unexplained" if none fits."""
+    try:
+        arch = sized(spec)[1].arch
+    except Exception:  # a family without the analytic model's sizes
+        arch = None
+    return next((m.kind for m in MISSES if m.test(row, work, split, arch)), "unexplained")
 
 
 def overrides(preset: str | None, row: pd.Series) -> list[str]:
@@ -77,6 +129,7 @@ def preset_of(runs_csv: Path, df: pd.DataFrame) -> str | None:
 
 
 def repredict(runs_csv: Path) -> pd.DataFrame:
+    """The page's table for one runs.csv, with the kind of each row whose predicted time misses."""
     df = pd.read_csv(runs_csv)
     preset = preset_of(runs_csv, df)
     rows = []
@@ -85,12 +138,40 @@ def repredict(runs_csv: Path) -> pd.DataFrame:
         for _, row in df[df["status"] == "ok"].iterrows():
             line = overrides(preset, row)
             cfg = OmegaConf.to_container(compose(config_name="config", overrides=line), resolve=True, enum_to_str=True)
-            now = analytic(RunSpec.of(cfg)).peak_mib
+            spec = RunSpec.of(cfg)
+            now = analytic(spec).peak_mib
             measured, then = row["peak_allocated_mib"], row["predicted_peak_mib"]
+            # The time on the GPU the run names (as the worker would see it), from the same sizes.
+            dev, work = device_of(spec, row.get("env_gpu_name")), work_of(spec)
+            predicted_s = seconds(work, dev) if dev else None
+            ms = row["iter_time_ms"]
+            error = predicted_s * 1e3 / ms - 1 if predicted_s and _set(ms) else None
             rows.append({"Setting": " ".join(line[1:] if preset else line), "Measured (MiB)": measured,
                          "Recorded prediction (MiB)": then, "Recorded error": f"{100 * (then / measured - 1):+.1f}%",
-                         "Prediction now (MiB)": now, "Error now": f"{100 * (now / measured - 1):+.1f}%"})
+                         "Prediction now (MiB)": now, "Error now": f"{100 * (now / measured - 1):+.1f}%",
+                         "Measured (ms)": ms, "Predicted (ms)": predicted_s * 1e3 if predicted_s else None,
+                         "Time error": f"{100 * error:+.1f}%" if error is not None else "n/a",
+                         MISS: miss_of(row, spec, work, parts(work, dev))
+                         if error is not None and abs(error) > TIME_TOLERANCE else None})
     return pd.DataFrame(rows)
+
+
+def within(table: pd.DataFrame) -> str:
+    """"n of m rows": the rows with a predicted time within TIME_TOLERANCE of the measured."""
+    timed = int((table["Time error"] != "n/a").sum())
+    return f"{timed - int(table[MISS].notna().sum())} of {timed} {'row' if timed == 1 else 'rows'}"
+
+
+def time_lines(table: pd.DataFrame) -> list[str]:
+    """The page's lines under a table: how many rows are within TIME_TOLERANCE, and why the others
+    miss, one line per kind."""
+    lines = [f"Step time within {TIME_TOLERANCE:.0%} of the measured: {within(table)}.", ""]
+    misses = list(table[MISS].dropna())
+    for m in [*MISSES, Miss("unexplained", "No kind above fits: the model misses it.", lambda *a: True)]:
+        n = misses.count(m.kind)
+        if n:
+            lines.append(f"- {n} {'row' if n == 1 else 'rows'} missing: {m.kind}. {m.why}")
+    return lines + ([""] if misses else [])
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -98,14 +179,20 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("results", type=Path, help="benchmarks/results/<device>: its */runs.csv are read")
     args = parser.parse_args(argv)
     shown = args.results.resolve().relative_to(ROOT) if args.results.resolve().is_relative_to(ROOT) else args.results
-    lines = [f"# Recorded runs on {args.results.name} against the analytic model at this commit", "",
+    lines = [f"# Recorded runs on {args.results.name} against the memory and step-time models at this commit", "",
              f"- command: `python benchmarks/repredict.py {shown}`",
              f"- model at commit: `{git_sha()}`; measured: each preset's runs.csv beside this file, "
-             "recorded by its benchmark (commit and device in its .md)", ""]
-    for runs_csv in sorted(args.results.glob("*/runs.csv")):
-        table = repredict(runs_csv)
-        if len(table):
-            lines += [f"## {runs_csv.parent.name}", "", table.to_markdown(index=False, floatfmt=",.1f"), ""]
+             "recorded by its benchmark (commit and device in its .md)",
+             "- step time: the step-time model (ablate/predict/step_time.py) for the GPU each run names, "
+             "against the run's median step (iter_time_ms)"]
+    tables = {runs_csv.parent.name: repredict(runs_csv) for runs_csv in sorted(args.results.glob("*/runs.csv"))}
+    tables = {name: table for name, table in tables.items() if len(table)}
+    if tables:
+        lines.append(f"- step time within {TIME_TOLERANCE:.0%} of the measured: {within(pd.concat(tables.values()))}")
+    lines.append("")
+    for name, table in tables.items():
+        lines += [f"## {name}", "", table.fillna({MISS: ""}).to_markdown(index=False, floatfmt=",.1f"), "",
+                  *time_lines(table)]
     out = args.results / "repredict.md"
     out.write_text("\n".join(lines))
     print(f"wrote {out}")
