@@ -24,7 +24,7 @@ from ablate import results
 from ablate.point_claim import claimed
 from ablate.console import Progress
 from ablate.predict import Prediction
-from ablate.schema import GROUPS, NON_SEMANTIC_KEYS
+from ablate.schema import GROUPS, identity
 from ablate.spec import RunSpec
 from launch.local import SPEC, pass_on_stop, prestart
 from launch.nvml import visible_gpu_count
@@ -97,7 +97,7 @@ class ResolvedPoint:
         config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         resolve_nproc(config)
         resolve_alloc_conf(config)
-        rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
+        rid = results.run_id(identity(config))
         choices = {g: hydra.runtime.choices.get(g) for g in GROUPS}
         return cls(config, RunSpec.of(config), choices, list(hydra.overrides.task), rid, run_dir,
                    hydra.job.override_dirname or "defaults")

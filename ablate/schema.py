@@ -29,6 +29,15 @@ OVERLAYS = ("experiment", "scale")
 # Keys that change where or whether a point runs, never what it measures: left out of run_id.
 NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir", "predict", "predict_only", "prune", "prune_margin",
                      "rung")
+# Keys in run_id only when set: at null they change nothing a result records, so the points of
+# results from before the key existed keep their run_id and are reused.
+HASHED_WHEN_SET = ("gpu_model",)
+
+
+def identity(config: dict) -> dict:
+    """What a point's run_id hashes of its resolved config (ablate/run_identity.py)."""
+    return {k: v for k, v in config.items()
+            if k not in NON_SEMANTIC_KEYS and not (k in HASHED_WHEN_SET and v is None)}
 
 
 class Device(str, Enum):
@@ -81,9 +90,9 @@ class RunKeys:
     gpu_memory_gib: Optional[float] = None  # emulate a GPU of this size (GiB); rows say so in env
     # Card the predicted step time is for (null: the GPU in sight, else h100-sxm). Null means the
     # GPU the worker sees; a plan without one in sight (predict_only=true device=cuda) is made for
-    # an H100 SXM. Part of run_id, unlike predict: a plan's step time is its answer, and the report
-    # keeps one row per run_id and machine, so a plan for two cards would lose one. A measured row
-    # measures the GPU it ran on whatever this says; naming a card there only costs a rerun.
+    # an H100 SXM. Part of run_id once set, unlike predict: a plan's step time is its answer, and the
+    # report keeps one row per run_id and machine, so a plan for two cards would lose one. A measured
+    # row measures the GPU it ran on whatever this says; naming a card there only costs a rerun.
     gpu_model: Optional[GpuModel] = None
     prune: bool = False  # record a point predicted not to fit as an oom row without running it
     prune_margin: float = 0.1  # prune only above capacity x (1 + margin), as the prediction may be high

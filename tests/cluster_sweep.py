@@ -30,7 +30,7 @@ from ablate import job, results
 from ablate.point_claim import claimed
 from ablate.console import Progress
 from ablate.predict import Prediction
-from ablate.schema import GROUPS, NON_SEMANTIC_KEYS, short_dirname
+from ablate.schema import GROUPS, identity, short_dirname
 from analysis.module_memory import CATEGORIES
 from launch.local import Outcome
 from tests.helpers import CONF  # helpers registers the config schema
@@ -87,7 +87,7 @@ def make_point(values: dict, options: dict, out_dir: Path, sweep: Path) -> job.R
     config.update(batch_size=values["batch_size"], out_dir=str(out_dir))
     overrides = [f"{k}={v}" for k, v in values.items()]
     name = ",".join(sorted(overrides))  # Hydra's override_dirname
-    rid = results.run_id({k: v for k, v in config.items() if k not in NON_SEMANTIC_KEYS})
+    rid = results.run_id(identity(config))
     choices = {**DEFAULTS, **{g: v for g, v in values.items() if g in GROUPS}}
     return job.ResolvedPoint(config, None, choices, overrides, rid, sweep / short_dirname(name), name)
 

@@ -136,3 +136,12 @@ def test_a_plan_on_a_machine_without_a_gpu_records_its_step_time(tmp_path):
     assert all(isinstance(t, float) and t > 0 for t in times.values())
     assert times["a100"] > times[None]  # null plans for an H100 SXM
     assert rows[None]["run_id"] != rows["a100"]["run_id"]  # two plans, two rows in a report
+
+
+def test_gpu_model_is_in_run_id_only_when_set_so_earlier_results_keep_theirs():
+    from ablate.results import run_id
+    from ablate.schema import identity
+
+    config = {"batch_size": 8, "seq_len": 64, "out_dir": "outputs"}
+    assert run_id(identity({**config, "gpu_model": None})) == run_id(identity(config))
+    assert run_id(identity({**config, "gpu_model": "a100"})) != run_id(identity(config))
