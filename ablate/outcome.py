@@ -121,6 +121,24 @@ def _over_the_host(spec: RunSpec, prediction: Prediction | None, gpu_mib: float 
             f"(on a CPU the OOM killer would end it, or another process: scale=cpu scales a preset down)")
 
 
+LONG_S = 120.0  # a point predicted to take longer than this here says so before it starts
+
+
+def _say_if_long(spec: RunSpec, prediction: Prediction | None, progress: Progress, on_gpu: bool) -> None:
+    """A point predicted to take minutes on this machine (a GPU-sized point on a CPU) says so, with its
+    predicted peak and step time, before its first step, instead of sitting silent at `init...`."""
+    step = prediction.step_time_s if prediction else None
+    if step is None:
+        return
+    steps = (spec.samples // max(spec.batch_size, 1) if spec.samples else spec.steps) + spec.warmup_steps
+    if step * steps < LONG_S:
+        return
+    where = "this GPU" if on_gpu else "this CPU"
+    progress.note(f"predicted: {step:,.1f} s a step on {where} and a peak of {prediction.peak_mib:,.0f} MiB, so "
+                  f"about {step * steps / 60:,.0f} min for its {steps} steps; predict_only=true plans it in "
+                  f"seconds, scale=cpu scales a preset down")
+
+
 @functools.cache
 def _note_once(line: str) -> None:
     """A note printed once per process (a sweep's points share one), not once per point."""
@@ -182,6 +200,7 @@ def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
     too_big = _over_the_host(spec, prediction, gpu_mib)
     if too_big:
         return Outcome("oom", too_big, env=judged), prediction
+    _say_if_long(spec, prediction, progress, on_gpu=bool(gpu_mib) and spec.device != "cpu")
     if not searched:
         return run_once(spec, run_dir, overrides, progress), prediction
     # The search starts where the predictions say the largest micro-batch that fits is: when

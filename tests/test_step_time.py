@@ -11,7 +11,7 @@ import pytest
 from ablate import hardware
 from ablate.predict.step_time import Work, device_of, parts, seconds, step_time_s, work_of
 from ablate.schema import unknown_key
-from tests.helpers import compose_spec, results_under, run_cli
+from helpers import compose_spec, results_under, run_cli
 
 H100 = hardware.device("h100-sxm")
 # gpt2 at a size a GPU's matmuls, not its host, bound: the compute the assertions below compare.
@@ -145,3 +145,21 @@ def test_gpu_model_is_in_run_id_only_when_set_so_earlier_results_keep_theirs():
     config = {"batch_size": 8, "seq_len": 64, "out_dir": "outputs"}
     assert run_id(identity({**config, "gpu_model": None})) == run_id(identity(config))
     assert run_id(identity({**config, "gpu_model": "a100"})) != run_id(identity(config))
+
+
+def test_a_point_predicted_to_take_minutes_here_says_so_before_its_first_step():
+    import io
+
+    from ablate.console import Progress
+    from ablate.outcome import _say_if_long, predicted
+
+    def said(overrides):
+        spec = compose_spec(["device=cpu", *overrides])
+        stream = io.StringIO()
+        _say_if_long(spec, predicted(spec), Progress("p", stream), on_gpu=False)
+        return stream.getvalue()
+
+    line = said(["model=gpt2", "batch_size=16", "seq_len=1024", "steps=50"])  # GPU-sized, on a CPU
+    assert line.startswith("p  predicted: ") and "s a step on this CPU and a peak of 20,172 MiB" in line
+    assert "for its 52 steps; predict_only=true plans it in seconds" in line  # warm-up steps counted
+    assert said(["model=gpt-nano"]) == ""  # seconds: nothing to say
