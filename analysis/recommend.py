@@ -128,7 +128,7 @@ def recommendation(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     out = []
     for card, capacity, best, rows in answers(df, labels):
         if not best:
-            out.append({"Card": card, "Recommended": "nothing fits" + leanest(rows, labels),
+            out.append({"Card": card, "Recommended": "nothing fits" + leanest(rows, labels, capacity),
                         "Micro-batch × steps": "", "Peak (MiB)": "", "Step time (s)": "", "Runners-up": ""})
             continue
         top = best[0]
@@ -139,21 +139,31 @@ def recommendation(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     return table.drop(columns=[c for c in ("Step time (s)", "Runners-up") if not table[c].astype(bool).any()])
 
 
+def cell(row: pd.Series) -> str:
+    """'4 × 4, ~12,290 MiB, ~0.91 s': a fitting row's split, peak and step time (~: predicted)."""
+    peak, measured = peak_of(row)
+    step, timed = step_of(row)
+    text = f"{_split(row)}, {'' if measured else '~'}{num(peak, ',.0f')} MiB"
+    return text + (f", {'' if timed else '~'}{num(step, '.2f')} s" if step is not None else "")
+
+
 def briefly(row: pd.Series, labels: list[str]) -> str:
     """'Pure bf16 + Block recompute (4 × 4, ~12,290 MiB, ~0.91 s)'."""
-    peak, measured = peak_of(row)
-    step = _step(row).replace(" (predicted)", "")
-    return (f"{named(row, labels)} ({_split(row)}, {'' if measured else '~'}{num(peak, ',.0f')} MiB"
-            + (f", {step} s" if step else "") + ")")
+    return f"{named(row, labels)} ({cell(row)})"
 
 
-def leanest(rows: pd.DataFrame, labels: list[str]) -> str:
-    """'; the leanest tried needs ~9,950 MiB (Pure bf16 + ...)': how far the card is from any of them."""
+def leanest(rows: pd.DataFrame, labels: list[str], capacity: float | None) -> str:
+    """'; the leanest tried, X, needs ~7,351 MiB: over the 7,296 MiB a point may use there': how far
+    the card is from any of them, by the rule that judged them (ablate/find_batch.py)."""
+    from ablate.capacity import usable_mib  # torch: only for a card where nothing fits
+    from ablate.find_batch import MARGIN
+
     peaks = [(peak_of(r)[0], r) for _, r in rows.iterrows() if peak_of(r)[0] is not None]
     if not peaks:
         return ""
     value, row = min(peaks, key=lambda p: p[0])
-    return f"; the leanest tried needs ~{value:,.0f} MiB ({named(row, labels)})"
+    limit = f": over the {usable_mib(capacity) * (1 - MARGIN):,.0f} MiB a point may use there" if capacity else ""
+    return f"; the leanest tried, {named(row, labels)}, needs ~{value:,.0f} MiB{limit}"
 
 
 def by_card(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
@@ -167,8 +177,7 @@ def by_card(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
         card, capacity = card_of(row)
         cells = rows.setdefault(named(row, own), {"Setting": named(row, own)})
         if fits(row):
-            step = _step(row)
-            cells[card] = f"{_split(row)}, {_peak(row, None)}" + (f", {step} s" if step else "")
+            cells[card] = cell(row)
         else:
             cells[card] = tables.failed(row)
     table = pd.DataFrame(list(rows.values()), columns=["Setting", *(c for c, _ in cards)]).fillna("")
@@ -178,5 +187,5 @@ def by_card(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
 NOTE = ("Per card, the combination that trains a sample fastest among those that fit it (measured step time "
         "where it ran, predicted otherwise; within 2% the fewest techniques win), then the runners-up. "
         "Micro-batch × steps: samples per micro-step × micro-steps per optimizer step.")
-BY_CARD_NOTE = ("Each card's cell: micro-batch × micro-steps per optimizer step, the peak in MiB, and the "
-                "step time where there is one; ~: predicted, not measured.")
+BY_CARD_NOTE = ("Each card's cell: micro-batch × micro-steps per optimizer step, the peak and the step time "
+                "where it fits (~: predicted, not measured); OOM and its predicted peak where it does not.")

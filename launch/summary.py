@@ -52,10 +52,9 @@ def per_card(sweep_dir: Path) -> list[str]:
         lines = []
         for card, capacity, best, rows in recommend.answers(df, labels):
             if not best:
-                lines.append(f"  {card}: nothing fits{recommend.leanest(rows, labels)}")
+                lines.append(f"  {card}: nothing fits{recommend.leanest(rows, labels, capacity)}")
                 continue
-            of = f" of {capacity:,.0f}" if capacity else ""
-            lines.append(f"  {card}: {recommend.briefly(best[0], labels)[:-1]}{of})")
+            lines.append(f"  {card}: {recommend.briefly(best[0], labels)}")
             lines += [f"    also fits: {recommend.briefly(r, labels)}" for r in best[1:]]
         return ["recommended, per card:", *lines] if lines else []
     except Exception as exc:  # a result the report cannot read: the counts above still stand

@@ -108,25 +108,57 @@ def test_the_tour_trains_and_reports_as_written(tmp_path):
     assert report.startswith("# ablate report: 4 runs (4 ok)")  # a reused point's copies count once
 
 
-def test_the_fit_recipe_runs_as_written_on_a_config_json(tmp_path):
-    """README's recipe, its lines as written: a config.json copied into my-model/ (here SmolLM2's
-    shape keys, written out by hand as a user's file would be), the plan over two cards, the report."""
+# TinyLlama-1.1B's config.json, as a user would copy it (shape keys only: nothing is downloaded).
+TINYLLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+             "intermediate_size": 5632, "num_attention_heads": 32, "num_hidden_layers": 22,
+             "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-05,
+             "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def test_the_fit_recipe_answers_per_card_as_written(tmp_path):
+    """README's recipe, its lines as written, on a hand-written TinyLlama config.json: the sweep's
+    last lines and the report each open with a recommended combination per card, with its
+    micro-batch × micro-steps and its peak under the card; the plan's table has the card as a column."""
+    from analysis import compare, recommend
+    from analysis.load import load
+
     lines = bash_block(section("Will my model fit my GPU?"))
     assert lines[0].startswith("mkdir -p my-model && cp ") and lines[0].endswith(" my-model/")
     commands = [line for line in lines if line.startswith("python ")]
     assert len(commands) == 2 and "predict_only=true" in commands[0] and "gpu_memory_gib=24,16" in commands[0]
     model = tmp_path / "my-model"
     model.mkdir()
-    shape = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "smollm2-135m.yaml"))["config"]
-    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **shape}))
-    plan = shell(commands[0].replace("model.config_path=my-model", f"model.config_path={model}"), tmp_path / "out")
+    (model / "config.json").write_text(json.dumps(TINYLLAMA))
+    out = tmp_path / "out"
+    plan = shell(commands[0].replace("model.config_path=my-model", f"model.config_path={model}"), out)
     assert plan.returncode == 0, plan.stderr[-2000:]
-    rows = results_under(tmp_path / "out")
-    assert {r["config"]["gpu_memory_gib"] for r in rows} == {24, 16}
-    assert {r["status"] for r in rows} <= {"predicted", "oom"} and "predicted" in {r["status"] for r in rows}
-    report = shell(commands[1], tmp_path / "out")
+    summary = plan.stdout[plan.stdout.index(" results under "):].splitlines()
+    assert summary[1] == "recommended, per card:"
+    assert [line.split(":")[0].strip() for line in summary if re.match(r"  \d+ GiB card:", line)] == \
+        ["24 GiB card", "16 GiB card"]
+    assert not any(line.startswith("  oom:") for line in summary)  # the misfits are in the answer, not listed
+
+    report = shell(commands[1], out)
     assert report.returncode == 0, report.stderr[-2000:]
-    assert "Recommended" in report.stdout.split("## Setting", 1)[0]  # the answer comes first
+    text = (out / "report" / "report.md").read_text()
+    assert [line for line in text.splitlines() if line.startswith("## ")][:2] == ["## Recommended", "## Setting by card"]
+    df = load([out])
+    labels = compare.varied(df)
+    answer = {row["Card"]: row for _, row in recommend.recommendation(df, labels).iterrows()}
+    for card, gib in (("24 GiB card", 24), ("16 GiB card", 16)):
+        row = answer[card]
+        fits = df[(df["gpu_memory_gib"] == gib) & (df["status"] == "predicted")]
+        assert row["Recommended"] in {recommend.named(r, labels) for _, r in fits.iterrows()}  # predicted to fit
+        micro, steps = map(int, row["Micro-batch × steps"].split(" × "))
+        assert micro * steps == 16  # the preset's batch, split by the micro-batch found to fit
+        assert float(row["Peak (MiB)"].lstrip("~").split(" of ")[0].replace(",", "")) <= gib * 1024
+        assert f"| {card} | {row['Recommended']} " in re.sub(r" +\|", " |", re.sub(r"\| +", "| ", text))
+    by_card = text[text.index("## Setting by card"):text.index("## All runs")]
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in by_card.splitlines()
+             if line.startswith("|") and not re.match(r"\|[:-]", line)]
+    assert table[0] == ["Setting", "24 GiB card", "16 GiB card"]  # the card is a column ...
+    assert "GiB card (emulated)" not in text  # ... never a technique in a row's label
+    assert len(table) == 1 + 6  # the preset's 6 combinations, once each
 
 
 def test_the_groups_table_names_every_option_of_every_group():
