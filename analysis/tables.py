@@ -142,7 +142,7 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
     base, memory = df.loc[base_i], memory_heading(df)
     runs = dict(df.iterrows())  # each row once: df.loc per row costs a millisecond
     order = list(df.index)
-    rungs = "rung" in df and df["rung"].notna().all()  # a preset's rungs: in the order it lists them (README)
+    rungs = "rung" in df and df["rung"].notna().all()  # a preset's rungs: in the order it lists them (docs/presets.md)
     if rungs and not ladder:
         order = [base_i, *df.index.drop(base_i)]
     elif not ladder:  # published tables open with the baseline, then one change, then two...; a ladder keeps its order

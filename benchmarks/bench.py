@@ -8,8 +8,8 @@ versions and device on top) beside `<results>/<device>/<preset>/` (runs.csv and 
 <device> is the GPU's name as the workers saw it ("NVIDIA-H100-80GB-HBM3"), or "cpu". Every
 figure in those files comes from the sweep's result.json files: nothing is typed in.
 
-A GPU host without network needs only torch: bring the other packages as wheels (README
-"Benchmarks on a GPU").
+A GPU host without network needs only torch: bring the other packages as wheels (docs/benchmarks.md,
+"Running a preset at full size").
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from bench import ROOT, device_dir
 
 COMMANDS = [
     ["model=gpt2", "batch_size=2", "seq_len=32", "steps=2"],  # the first command of a new user
-    ["model=gpt-nano", "steps=3", "device=cpu"],  # README's per-point cost at cluster scale
+    ["model=gpt-nano", "steps=3", "device=cpu"],  # the per-point cost at cluster scale (docs/clusters.md)
 ]
 TRAINING = ("warmup", "traced_step", "measured")
 GOAL = 0.25  # for the first command: less than a quarter of the wall time outside training

@@ -1,4 +1,4 @@
-"""A cluster-sized sweep's bookkeeping, simulated on one machine (tests/test_cluster_scale.py; README,
+"""A cluster-sized sweep's bookkeeping, simulated on one machine (tests/test_cluster_scale.py; docs/clusters.md,
 "A 1,000-point sweep over 64 nodes"): the tasks of a SLURM array all writing to one shared out_dir.
 
 Many processes record their points at once through the job's own path (the claim, skip_existing

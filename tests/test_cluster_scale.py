@@ -2,7 +2,7 @@
 at once into one out_dir, some twice (a requeued task through the claim, two tries racing without
 it); every point then has one whole result.json and one index entry, nothing half-written is left,
 a finished point was measured once, and the report over them counts and tables every point. The
-1,000-point sweep of the README's "A 1,000-point sweep over 64 nodes", with its report timed on
+1,000-point sweep of docs/clusters.md's "A 1,000-point sweep over 64 nodes", with its report timed on
 2 cores, is marked slow."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.helpers import ROOT
 
 # 2 × 3 × 2 × 2 × 2 × 5 = 240 points, two families, the same failures and requeues by index
 SMALL = {**GRID, "optimizer": ("adamw", "sgd", "adafactor"), "checkpoint": ("none", "block")}
-REPORT_S = 10  # the report over 1,000 runs, on 2 cores: the README's figure
+REPORT_S = 10  # the report over 1,000 runs, on 2 cores: docs/clusters.md's figure
 MAX_PX = 4000  # no figure taller or wider: past a handful of runs, plots list and draw a bounded number
 
 
@@ -129,7 +129,7 @@ def test_the_report_counts_and_tables_every_point(small, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_1000_point_sweep_is_recorded_whole_and_reported_in_10_s(tmp_path):
-    """The README's figure: 1,000 points, and the report over them in under REPORT_S seconds on 2
+    """docs/clusters.md's figure: 1,000 points, and the report over them in under REPORT_S seconds on 2
     cores (the command as a user runs it, Python's start included)."""
     sweep = write_sweep(tmp_path / "run")
     assert len(sweep["points"]) == 1000

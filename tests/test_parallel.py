@@ -26,7 +26,7 @@ def single_16(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def verbatim(tmp_path_factory):
-    """The README's command, verbatim but for a tiny model (FAST) and batch 8 per rank."""
+    """docs/clusters.md's command, verbatim but for a tiny model (FAST) and batch 8 per rank."""
     out = tmp_path_factory.mktemp("verbatim")
     proc = run_cli(["-m", "parallel=fsdp,ddp", "checkpoint=none,block", "batch_size=8", *EXACT,
                     f"hydra.sweep.dir={out}/s"], out)

@@ -243,7 +243,7 @@ def test_csv_on_stdout_reads_as_numbers(tmp_path, capsys):
 
 def test_a_presets_rungs_keep_their_order_in_the_setting_table(tmp_path):
     """leanest (cumulative: false) lists its host-memory rung last; sorted by how many changes each
-    row makes it came second. README: the report lists rows in rung order."""
+    row makes it came second. docs/report.md: the report lists rows in rung order."""
     runs = _sweep(tmp_path / "runs", "lean", ["experiment=leanest"])
     _run(runs, "r0", rung=0)
     _run(runs, "r1", rung=1, checkpoint="block", optimizer="sgd", peak=50.0)

@@ -48,7 +48,7 @@ CPU_ONLY = {
 NOT_RUN: dict[tuple[str, str], str] = {}
 
 # Presets whose CPU runs have no traced peak: FSDP1 wraps parameters in flat views that MemTracker
-# cannot follow (README). Their CPU direction is the prediction each run records for itself.
+# cannot follow (docs/clusters.md). Their CPU direction is the prediction each run records for itself.
 UNTRACED = {"gpt2_xl_fsdp_batch_scan"}
 
 
