@@ -41,14 +41,14 @@ demo: install
 	$(PY) -m analysis.report $(DEMO_DIR)
 
 # The tests run in parallel, one worker per core, a test file to a worker (module fixtures run once);
-# TEST_WORKERS=0 runs them in this process.
+# TEST_WORKERS=0 runs them in this process. Both targets list their 15 slowest tests, to keep the budget in view.
 TEST_WORKERS ?= auto
 test: install-dev
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The long CPU tests (the preset benchmarks at toy size, torch.compile): CI runs them after `make test`.
 test-slow: install-dev
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow --durations=15
 
 # --strict: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails the build.
 # NO_MKDOCS_2_WARNING quiets mkdocs-material's banner about its successor.
