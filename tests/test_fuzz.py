@@ -30,7 +30,7 @@ from launch.start_checks import check_writable
 
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "eval_steps", "samples", "seed", "compile", "device", "peak_tflops",
             "timeout_s", "alloc_conf", "gpu_memory_gib", "prune", "prune_margin", "find_batch", "predict",
-            "predict_only")
+            "predict_only", "gpu_model")
 HUGE = ["1e30", "999999999999", "inf", "-inf", "1e400", "1e308"]
 NUMBERS = ["0", "-1", "1", "2", "3", "7", "64", "-0.5", "0.5", "1e-9", "nan", "0.0", "2.0", "5e-324"]
 WORDS = ["''", "abc", "true", "false", "null", "[1,2]", "/nonexistent/dir", "/proc/forbidden", "../..", "cuda",
