@@ -46,9 +46,14 @@ TEST_WORKERS ?= auto
 test: install-dev
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-# The long CPU tests (the preset benchmarks at toy size, torch.compile): CI runs them after `make test`.
+# The long CPU tests (the preset benchmarks at toy size, torch.compile): CI runs them after `make test`,
+# on a worker per core like it, but for the files that start a SLURM cluster of their own or time
+# a command against a wall-clock figure or pin CPUs: those run alone afterwards, one test at a time.
+SERIAL_SLOW = tests/test_slurm.py tests/test_slurm_nodes.py tests/test_cluster_scale.py tests/test_sweep_startup.py \
+	tests/test_faults.py tests/test_gpu_pool.py tests/test_cli.py tests/test_cpus.py tests/test_parallel.py
 test-slow: install-dev
-	$(PY) -m pytest -q -m slow --durations=15
+	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=15 $(addprefix --ignore=,$(SERIAL_SLOW))
+	$(PY) -m pytest -q -m slow --durations=15 $(SERIAL_SLOW)
 
 # --strict: a broken link or anchor, or a page missing from mkdocs.yml's nav, fails the build.
 # NO_MKDOCS_2_WARNING quiets mkdocs-material's banner about its successor.
