@@ -47,8 +47,8 @@ test: install-dev
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The long CPU tests (the preset benchmarks at toy size, torch.compile): CI runs them after `make test`,
-# on a worker per core like it, but for the files that start a SLURM cluster of their own or time
-# a command against a wall-clock figure or pin CPUs: those run alone afterwards, one test at a time.
+# a worker per core as it does. SERIAL_SLOW's files run alone afterwards, one test at a time: they
+# start a SLURM cluster of their own, pin CPUs, or hold a command to a wall-clock figure.
 SERIAL_SLOW = tests/test_slurm.py tests/test_slurm_nodes.py tests/test_cluster_scale.py tests/test_sweep_startup.py \
 	tests/test_faults.py tests/test_gpu_pool.py tests/test_cli.py tests/test_cpus.py tests/test_parallel.py
 test-slow: install-dev
