@@ -6,7 +6,8 @@ import hydra
 from omegaconf import DictConfig
 
 import launch  # noqa: F401  (importing it lets Hydra list ablate's launchers: launch/__init__.py)
-from ablate.schema import CONF, register, unknown_key
+from ablate.command_line import unknown_key
+from ablate.schema import CONF, register
 
 register()
 

@@ -23,7 +23,7 @@ def check_types(group: str, node: dict) -> None:
     value does not have its annotated type, or that the class does not take (`+optimizer.momentum`
     under adamw: instantiate's TypeError would name neither the group nor the keys it takes).
     Unannotated keys pass."""
-    from ablate.schema import belongs_to
+    from ablate.command_line import belongs_to
 
     cls = get_class(node["_target_"])
     init = cls.__init__

@@ -134,13 +134,13 @@ def test_a_run_and_a_plan_both_refuse_a_file_that_is_not_text_through_the_cli(tm
     (["checkpoint=block", "checkpoint.every_n=x"], "checkpoint.every_n='x' must be int"),
 ])
 def test_an_option_key_of_the_wrong_type_is_refused_on_the_command_line(argv, message):
-    from ablate.schema import unknown_key
+    from ablate.command_line import unknown_key
 
     assert message in (unknown_key(argv) or "")
 
 
 def test_values_of_the_files_types_and_keys_whose_file_has_none_pass_the_command_line():
-    from ablate.schema import unknown_key
+    from ablate.command_line import unknown_key
 
     for argv in (["optimizer.lr=1"], ["optimizer.lr=1e-3"], ["optimizer=sgd", "optimizer.momentum=0.9"],
                  ["optimizer.in_backward=true"], ["parallel=ddp", "parallel.nproc=auto"]):

@@ -10,7 +10,8 @@ import pytest
 from hydra.utils import instantiate
 
 from ablate.build import check_config
-from ablate.schema import GROUPS, RUN_TYPES, options
+from ablate.command_line import RUN_TYPES
+from ablate.schema import GROUPS, options
 from helpers import ROOT, compose_config, compose_spec, results_under, run_cli
 
 # The result contract as docs/architecture.md lists it; results.py must produce exactly these keys

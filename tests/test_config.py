@@ -12,7 +12,8 @@ from hydra.utils import instantiate
 from ablate.spec import RunSpec
 from ablate.build import TECHNIQUE_GROUPS, Techniques, check_config
 from ablate.keytypes import check_types
-from ablate.schema import GROUPS, unknown_key
+from ablate.command_line import unknown_key
+from ablate.schema import GROUPS
 from ablate.techniques import Invalid
 from helpers import CONF, ROOT, compose_config, compose_spec
 

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf.errors import OmegaConfBaseException
 
-from ablate.schema import GROUPS, OVERLAYS, option_keys, options, unknown_key
+from ablate.command_line import unknown_key
+from ablate.schema import GROUPS, OVERLAYS, option_keys, options
 from helpers import ROOT, compose_config
 from launch.start_checks import check_writable
 

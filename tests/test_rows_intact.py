@@ -17,7 +17,7 @@ import pytest
 
 from ablate import results
 from ablate.build import check_config
-from ablate.schema import unknown_key
+from ablate.command_line import unknown_key
 from ablate.techniques import Invalid
 from analysis.report import main as report
 from helpers import FAST, ROOT, compose_spec, results_under, run_cli

@@ -22,7 +22,7 @@ from ablate.build import check_config
 from ablate.console import Progress
 from ablate.keytypes import fits
 from ablate.runner import Trained
-from ablate.schema import unknown_key
+from ablate.command_line import unknown_key
 from ablate.techniques import Invalid
 from analysis.report import main as report
 from helpers import FAST, ROOT, compose_spec, results_under, run_cli

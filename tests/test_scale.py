@@ -216,7 +216,8 @@ def side_by_side(preset: str, gpu_plan, tmp_path, *cpu_args: str) -> tuple[dict,
 def test_scale_cpu_is_a_group_of_its_own_not_a_technique():
     """scale=cpu composes over any preset, replaces its model's width and vocabulary (data's too),
     and is no result column: run_id changes with it, choices do not name it."""
-    from ablate.schema import GROUPS, unknown_key
+    from ablate.command_line import unknown_key
+    from ablate.schema import GROUPS
     from tests.helpers import compose_config
 
     llama = compose_config(["experiment=fit_llama_1b", "scale=cpu"])

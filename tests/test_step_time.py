@@ -10,7 +10,7 @@ import pytest
 
 from ablate import hardware
 from ablate.predict.step_time import Work, device_of, parts, seconds, step_time_s, work_of
-from ablate.schema import unknown_key
+from ablate.command_line import unknown_key
 from helpers import compose_spec, results_under, run_cli
 
 H100 = hardware.device("h100-sxm")

@@ -116,7 +116,7 @@ def test_the_next_point_runs_in_the_worker_started_after_this_ones_measured_step
 def test_the_command_line_and_the_job_leave_torch_to_the_worker():
     """Nothing before the prestart imports torch: not the key check, not the job module (else its
     2 s on 2 cores would sit in front of the worker's start instead of beside it)."""
-    code = ("import sys; from ablate.schema import unknown_key; assert unknown_key(['batch_size=2']) is None; "
+    code = ("import sys; from ablate.command_line import unknown_key; assert unknown_key(['batch_size=2']) is None; "
             "import ablate.job, ablate.__main__; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
