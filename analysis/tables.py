@@ -2,37 +2,17 @@
 "OOM" / "invalid" / ... cells, never dropped rows). analysis/report.py prints and writes them."""
 from __future__ import annotations
 
-import functools
 import math
 
 import pandas as pd
 
 from ablate.groups import REMOVABLE
-from ablate.schema import GROUPS, built_option
+from ablate.schema import GROUPS
 from analysis.table_cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
                             spread, time_delta, within_noise)
 from analysis.compare import BASELINE, do_nothing, set_away_from_default, spelled
+from analysis.option_names import key_label, label
 
-def label(col: str, value) -> str:
-    """The report's name for a group's option ("Block recompute") or for an option key set on its
-    own in a preset ("Optimizer step in backward"): the option class's `label` and `key_labels`
-    (ablate/techniques/); `col=value` for one that has none."""
-    return _label(col, str(value))
-
-
-def key_label(row: pd.Series, col: str) -> str:
-    group, key = col.split(".", 1)
-    option = built_option(group, str(row[group])) if pd.notna(row.get(group)) else None
-    return getattr(option, "key_labels", {}).get((key, str(row[col])), f"{col}={row[col]}")
-
-
-@functools.cache
-def _label(col: str, value: str) -> str:
-    option = built_option(col, value) if col in GROUPS else None
-    return getattr(option, "label", "") or f"{col}={value}"
-
-
-# Groups whose do-nothing option is the absence of a technique (leaving one is a removal): ablate/groups.py.
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'.
     A baseline away from a varied group's do-nothing option says so, 'Baseline (batch size = 8):

@@ -17,7 +17,7 @@ from ablate.predict.analytic import analytic
 from ablate.schema import OVERLAYS, Config, built_option, options
 from ablate.techniques import Option, Unmodelled
 from ablate.techniques.optimizer import TorchOptimizer
-from analysis import compare, load, tables
+from analysis import compare, load, option_names, tables
 from helpers import CONF, FAST, compose_spec
 
 
@@ -39,7 +39,7 @@ def test_each_technique_groups_default_is_its_do_nothing_option_and_its_referenc
 
 def test_every_technique_option_names_itself_for_the_report_and_no_two_alike():
     for group in TECHNIQUE_GROUPS:
-        labels = {option: tables.label(group, option) for option in options(group)}
+        labels = {option: option_names.label(group, option) for option in options(group)}
         for option, text in labels.items():
             assert built_option(group, option) is not None, f"conf/{group}/{option}.yaml does not build"
             assert text and text != f"{group}={option}", f"{group}={option} has no label"
@@ -49,11 +49,11 @@ def test_every_technique_option_names_itself_for_the_report_and_no_two_alike():
 def test_an_option_key_set_on_its_own_is_named_by_its_option_class():
     row = pd.Series({"optimizer": "adamw8bit", "optimizer.in_backward": True, "parallel": "fsdp1",
                      "parallel.backward_prefetch": "post", "parallel.nproc": 2})
-    assert tables.key_label(row, "optimizer.in_backward") == "Optimizer step in backward"
-    assert tables.key_label(row, "parallel.backward_prefetch") == "Backward prefetch (post)"
-    assert tables.key_label(row, "parallel.nproc") == "parallel.nproc=2"  # no name of its own
-    assert tables.label("checkpoint", "every2") == "Recompute every 2nd block"
-    assert tables.label("checkpoint", "no_such_option") == "checkpoint=no_such_option"  # an older row's
+    assert option_names.key_label(row, "optimizer.in_backward") == "Optimizer step in backward"
+    assert option_names.key_label(row, "parallel.backward_prefetch") == "Backward prefetch (post)"
+    assert option_names.key_label(row, "parallel.nproc") == "parallel.nproc=2"  # no name of its own
+    assert option_names.label("checkpoint", "every2") == "Recompute every 2nd block"
+    assert option_names.label("checkpoint", "no_such_option") == "checkpoint=no_such_option"  # an older row's
 
 
 def test_the_schema_the_build_and_the_report_read_their_groups_from_the_registry():
