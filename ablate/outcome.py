@@ -6,7 +6,6 @@ validate -> predict -> (prune | plan | launch the worker -> its outcome) -> Outc
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from dataclasses import replace
@@ -29,8 +28,9 @@ def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progres
     """Start the worker (or torchrun) on run_dir/spec.json: the resolved config it rebuilds the spec from."""
     run_dir.mkdir(parents=True, exist_ok=True)  # find_batch probes run in subdirectories
     spec_path = run_dir / SPEC
-    spec_path.write_text(json.dumps({"config": spec.to_config(), "run_dir": str(run_dir), "overrides": overrides},
-                                    indent=2))
+    # Atomic: every node of a multi-node point writes the same spec here, while the other node's
+    # launcher may be reading it (a plain write truncates first, and the reader would see nothing).
+    results.write_json(spec_path, {"config": spec.to_config(), "run_dir": str(run_dir), "overrides": overrides})
     (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
     results.clear_artifacts(run_dir)
     argv, world, env = worker_command(spec)

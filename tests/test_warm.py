@@ -3,6 +3,7 @@ imported while the job, or the point before, worked; from the go its output is t
 worker.log; a launch it does not serve starts a fresh process as before."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +91,20 @@ def test_a_real_point_runs_in_its_prestarted_worker(tmp_path, monkeypatch, submi
     assert outcome.status == "ok", outcome.reason
     assert started_pids(run_dir) == [pid]
     assert 0 <= outcome.phases["startup"]  # from the launch: what was left of its imports
+
+
+def test_a_launch_replaces_the_spec_whole_for_a_reader_on_another_node(tmp_path):
+    """Every node of a multi-node point writes the same spec.json while the other node's launcher
+    may be reading it: the file is replaced, never truncated under an open reader."""
+    from ablate.outcome import launch
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / local.SPEC).write_text('{"written": "by the other node"}')
+    with open(run_dir / local.SPEC) as reader:
+        assert launch(compose_spec(FAST), run_dir, [], Progress("spec", stream=open(os.devnull, "w"))).status == "ok"
+        assert json.loads(reader.read()) == {"written": "by the other node"}
+    assert json.loads((run_dir / local.SPEC).read_text())["run_dir"] == str(run_dir)
 
 
 def test_the_next_point_runs_in_the_worker_started_after_this_ones_measured_steps(tmp_path, monkeypatch):
