@@ -24,6 +24,7 @@ from tests.test_predict import measured
 # Parameter counts of the published models (their model cards and transformers agree).
 PUBLISHED = {"llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "smollm2-135m": 134_515_008,
              "pythia-160m": 162_322_944, "mistral-7b": 7_241_732_096,
+             "llama3.1-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512,
              "qwen3-0.6b": 596_049_920,  # its card: 0.6B, and 0.44B less the 155,582,464 of the embedding
              "mixtral-8x7b": 46_702_792_704,  # its card: 46.7B, 12.9B of them a token's
              "olmoe-1b-7b": 6_919_161_856,  # its card: 6.92B; its paper: 1.3B of them a token's
@@ -35,6 +36,8 @@ _GQA = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "mo
 TINY = {
     "llama3.2-1b": [*_GQA, "model.config.head_dim=16"],
     "qwen2.5-0.5b": _GQA,
+    "llama3.1-8b": _GQA,
+    "qwen2.5-7b": _GQA,
     "qwen3-0.6b": [*_GQA, "model.config.head_dim=16"],
     "mixtral-8x7b": [*_GQA, "model.config.num_local_experts=4"],
     "olmoe-1b-7b": [*_GQA, "model.config.num_experts=8"],
