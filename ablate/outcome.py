@@ -12,9 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from ablate import find_batch, results
-from ablate.build import check_config
+from ablate.build import Techniques, check_config
 from ablate.capacity import capacity_mib, host_free_mib
 from ablate.console import Progress
+from ablate.models import param_change
 from ablate.predict import Prediction, predict
 from ablate.predict.step_time import step_time_s
 from ablate.predict.timeline import Unmodelled
@@ -160,7 +161,30 @@ def plan_outcome(prediction: Prediction | None, capacity: float | None) -> Outco
 def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
                progress: Progress) -> tuple[Outcome, Prediction | None]:
     """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search
-    (under predict_only, a search of predictions).
+    (under predict_only, a search of predictions). A row no worker ran (a plan, a pruned point)
+    carries the parameter counts the worker would have (`counted`)."""
+    outcome, prediction = _decided(spec, run_dir, overrides, progress)
+    if outcome.status == "predicted" or results.predicted_oom({"status": outcome.status, "reason": outcome.reason}):
+        outcome = counted(spec, outcome)
+    return outcome, prediction
+
+
+def counted(spec: RunSpec, outcome: Outcome) -> Outcome:
+    """`outcome` with `params` and `trainable_params` of the model the point's techniques make,
+    read off its meta layout (what a worker counts on the model it builds); as it was where they
+    cannot be read, with a warning: a count is no reason to lose a row."""
+    try:
+        t = Techniques.of(spec)
+        total, trainable = t.model.param_counts(param_change(t))
+    except Exception as exc:
+        print(f"warning: parameters not counted: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return outcome
+    return replace(outcome, metrics={**outcome.metrics, "params": total, "trainable_params": trainable})
+
+
+def _decided(spec: RunSpec, run_dir: Path, overrides: list[str],
+             progress: Progress) -> tuple[Outcome, Prediction | None]:
+    """outcome_of's outcome, before its counts: validate, predict, then prune, plan or run.
 
     A batch search is pruned only when its smallest micro-batch is predicted not to fit, and its
     prediction is of the micro-batch its row measures (the largest that fits), so that predicted

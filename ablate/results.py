@@ -42,7 +42,7 @@ METRIC_KEYS = (
     "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
     "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
     "gpu_util_pct_std", "compile_s", "skipped_steps", "traced_step_oom", "diverged_at_step", "loss_scale", "loss_first", "loss_final", "eval_loss", "loss_floor",
-    "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch",
+    "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch", "params", "trainable_params",
 )
 # Files a worker leaves beside result.json (ablate/artifacts.py), by the key that names them under
 # "artifacts": each the file's path relative to result.json's directory, or null when not written.
@@ -183,6 +183,7 @@ _STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_ba
 # one that is would become the baseline of the report's deltas. Losses may be anything finite.
 _AT_LEAST_ZERO = ("iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90", "train_latency_s", "compile_s",
                   "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu")
+COUNTS = ("params", "trainable_params")  # parameter elements, all and those that train: never negative either
 _INF = float("inf")
 
 
@@ -248,9 +249,10 @@ def _not_finite(value) -> str | None:
 
 
 def _negative(metrics: dict, prediction: dict) -> str | None:
-    """The first size (a `*_mib` figure: each part of breakdown_mib, each rank's, the predicted peak)
-    or time or throughput (_AT_LEAST_ZERO) below 0, or None. The predicted breakdown is left out: it
-    is the predictor's split of its peak, whose parts it keeps no floor under (Timeline.free)."""
+    """The first size (a `*_mib` figure: each part of breakdown_mib, each rank's, the predicted peak),
+    time or throughput (_AT_LEAST_ZERO) or parameter count (COUNTS) below 0, or None. The predicted
+    breakdown is left out: it is the predictor's split of its peak, whose parts it keeps no floor
+    under (Timeline.free)."""
     places = [("metrics", metrics, False), ("metrics.breakdown_mib", metrics.get("breakdown_mib") or {}, True),
               ("prediction", {"peak_mib": prediction.get("peak_mib")}, True)]
     places += [(f"metrics.per_rank[{i}]", rank, False) for i, rank in enumerate(metrics.get("per_rank") or ())
@@ -259,8 +261,9 @@ def _negative(metrics: dict, prediction: dict) -> str | None:
         for key, value in values.items():
             if isinstance(value, _NUMBER) and value < 0:
                 size = sizes or key.endswith("_mib")
-                if size or key in _AT_LEAST_ZERO:
-                    return f"{where}.{key} is {value!r}, not a {'size' if size else 'time or throughput'} >= 0"
+                if size or key in _AT_LEAST_ZERO or key in COUNTS:
+                    kind = "size" if size else "count" if key in COUNTS else "time or throughput"
+                    return f"{where}.{key} is {value!r}, not a {kind} >= 0"
     return None
 
 

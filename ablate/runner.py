@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
+from torch.distributed.tensor import DTensor
 
 from ablate import artifacts, measure
 from ablate.build import Techniques, build_model, build_optimizer, check_config, pick_device
@@ -19,6 +20,7 @@ from ablate.capacity import MemoryLimit
 from ablate.data import TokenData
 from ablate.events import EventWriter
 from ablate.hardware import flops_per_token, peak_tflops
+from ablate.models import logical_numel
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
 from ablate.train import evaluate, train_step
@@ -42,6 +44,7 @@ class Trained:
     traced_step_oom: bool = False  # the traced warm-up step ran out of memory; training went on untraced
     warmup: int = 0  # of the steps in `losses`, the first `warmup` are warm-up steps
     loss_scale: float | None = None  # the GradScaler's scale after the last step (fp16); None without one
+    params: tuple[int, int] | None = None  # (elements, trainable elements) of the parameters this rank holds, as built
 
     @property
     def diverged_at(self) -> int | None:
@@ -140,6 +143,21 @@ def snapshot_compiled_step(spec: RunSpec) -> int | None:
     return spec.warmup_steps - 2 if spec.compile and spec.warmup_steps >= 3 else None
 
 
+def held_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(elements, trainable elements) of the parameters this rank holds, each tensor once (a tied
+    weight is one), a 4-bit weight as the weights it packs (`logical_numel`). Through compile's and
+    DDP's wrappers (their parameters are the model's); under FSDP this rank's shards: FSDP2's
+    DTensors hold their local part, FSDP1's original parameters are views into its flat shard, so
+    the ranks' counts add up to the model's. Read as built: an FSDP2 forward without backward (an
+    eval) can leave whole parameters where the shards were."""
+    total = trainable = 0
+    for p in model.parameters():
+        n = p.to_local().numel() if isinstance(p, DTensor) else logical_numel(p)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return total, trainable
+
+
 def trainer(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device,
             scaler: torch.amp.GradScaler | None = None
             ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[int], torch.Tensor]]:
@@ -165,6 +183,7 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
     scaler = t.precision.grad_scaler(device.type)
     model, optimizer, step = trainer(spec, t, data, device, scaler)
     init_peak = mem.peak_allocated_mib()
+    params = held_params(model)
     optimizer_steps = measure.StepCounter(optimizer)
     B, world, warmup = spec.batch_size, t.parallel.world_size, spec.warmup_steps
     steps = math.ceil(spec.samples / (B * world)) if spec.samples else spec.steps
@@ -213,7 +232,7 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
                           compile_s=first_step_s if spec.compile else None,
                           skipped_steps=warmup + steps - taken if taken is not None else None,
                           traced_step_oom=trace_oom, warmup=warmup,
-                          loss_scale=scaler.get_scale() if scaler.is_enabled() else None)
+                          loss_scale=scaler.get_scale() if scaler.is_enabled() else None, params=params)
 
 
 def _max(values: list):
@@ -223,7 +242,8 @@ def _max(values: list):
 
 def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_loss: float | None,
             loss_floor: float | None, gpu_name: str | None) -> dict:
-    """The result's metrics on rank 0; `ranks` holds every rank's peaks, times and init peak."""
+    """The result's metrics on rank 0; `ranks` holds every rank's peaks, times, init peak and
+    parameters held."""
     B, world, T = spec.batch_size, t.parallel.world_size, spec.seq_len
     seconds = max(sum(r["times_ms"]) for r in ranks) / 1e3  # the slowest rank sets the pace
     tokens = run.steps * B * world * T
@@ -258,10 +278,22 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         "eval_loss": eval_loss,
         "loss_floor": loss_floor,
         "losses": run.losses,
+        **_counts(t, ranks),
         "per_rank": [{"rank": i, "host": r["host"], "peak_allocated_mib": r["peaks"]["peak_allocated_mib"],
                       "peak_reserved_mib": r["peaks"]["peak_reserved_mib"], "nvml_peak_mib": None}
                      for i, r in enumerate(ranks)] if world > 1 else None,
     }
+
+
+def _counts(t: Techniques, ranks: list[dict]) -> dict:
+    """`params` and `trainable_params` of the whole model: rank 0's where every rank holds it all,
+    the ranks' shards added up where FSDP shards it; null where a rank did not say."""
+    held = [r.get("params") for r in ranks]
+    if any(h is None for h in held):
+        return {"params": None, "trainable_params": None}
+    if not (t.parallel.shards_params or t.offload.shards_params):
+        held = held[:1]
+    return {"params": sum(h[0] for h in held), "trainable_params": sum(h[1] for h in held)}
 
 
 def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict | None:
@@ -284,7 +316,8 @@ def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict 
     eval_loss = evaluate(model, data, spec.batch_size, t, device, spec.eval_steps)
     events.emit("phase", phase="report")  # gathering every rank's figures, tearing down
     mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
-            "host_peak_rss_mib": measure.host_peak_rss_mib(), "host": socket.gethostname()}
+            "host_peak_rss_mib": measure.host_peak_rss_mib(), "host": socket.gethostname(),
+            "params": trained.params}
     ranks = all_ranks(mine)
     # Only on success: a failing rank exits at once (the worker reports and leaves), and torchrun
     # then stops the others; waiting for them in a barrier here would hang the group.

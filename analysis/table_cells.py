@@ -1,6 +1,7 @@
 """The report's cells: numbers rounded as published tables print them, failures as words, the
 spread of iteration times and the "~" that marks a time delta inside it, FLOP rates in a unit that
-reads, and the memory column named for the device that measured it. Memory in MiB (2^20 bytes)."""
+reads, parameter counts as model cards write them, and the memory column named for the device that
+measured it. Memory in MiB (2^20 bytes)."""
 from __future__ import annotations
 
 import math
@@ -104,6 +105,26 @@ def flops(values: pd.Series) -> tuple[str, list[str]]:
     if rate.notna().any() and rate.max() < 0.1:
         return "GFLOP/s", [num(v * 1e3, ".2f") for v in rate]
     return "TFLOP/s", [num(v, ".2f") for v in rate]
+
+
+def count(n) -> str:
+    """A parameter count as model cards write it, three significant digits: "8.03 B", "3.41 M",
+    "205 K"; "" when unknown."""
+    if n is None or pd.isna(n):
+        return ""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f}"
+
+
+def trainable(row) -> str:
+    """The parameters a run trains, of all of them: "3.41 M of 8.03 B (0.0424%)"; "" where the row
+    has no counts (a run that never built its model, an older result)."""
+    n, of = row.get("trainable_params"), row.get("params")
+    if n is None or of is None or pd.isna(n) or pd.isna(of) or not of:
+        return ""
+    return f"{count(n)} of {count(of)} ({100 * n / of:.3g}%)"
 
 
 def on_cpu(df: pd.DataFrame) -> bool:

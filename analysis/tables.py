@@ -9,7 +9,7 @@ import pandas as pd
 from ablate.groups import REMOVABLE
 from ablate.schema import GROUPS
 from analysis.table_cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
-                            spread, time_delta, within_noise)
+                            spread, time_delta, trainable, within_noise)
 from analysis.compare import BASELINE, do_nothing, set_away_from_default, spelled
 from analysis.option_names import key_label, label
 
@@ -116,9 +116,16 @@ def memory_delta(row: pd.Series, base: pd.Series) -> str:
     return ""
 
 
+def differ_in_training(df: pd.DataFrame) -> bool:
+    """Whether the rows train different numbers of parameters (an adapter against full training):
+    then a table says how many each trains; where they all train the same, it says nothing new."""
+    return "trainable_params" in df and df["trainable_params"].dropna().nunique() > 1
+
+
 def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = False) -> pd.DataFrame:
-    """Setting | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs previous row), less
-    the columns that no row has a value in."""
+    """Setting (| Trainable) | GPU Memory Peak | Training Latency | Δ memory | Δ time (| Δ vs
+    previous row), less the columns that no row has a value in; Trainable where the rows train
+    different numbers of parameters."""
     base, memory = df.loc[base_i], memory_heading(df)
     runs = dict(df.iterrows())  # each row once: df.loc per row costs a millisecond
     order = list(df.index)
@@ -129,12 +136,14 @@ def setting(df: pd.DataFrame, labels: list[str], base_i: int, ladder: bool = Fal
         order = [base_i, *sorted(df.index.drop(base_i), key=lambda i: len(changes(runs[i], base, labels)))]  # stable
     rows, prev_any = [], None
     prev = {}  # the last ok row and the last predicted one: a delta never mixes the two
+    counts = differ_in_training(df)
     for row in map(runs.get, order):
         ok = row["status"] == "ok"
         # A ladder's row names what it adds to the row above; otherwise what differs from the baseline.
         ref = prev_any if ladder and prev_any is not None else base
         label = setting_label(row, ref, labels) if row.name != base.name else setting_label(row, base, labels)
         out = {"Setting": label + marks(row),
+               **({"Trainable": trainable(row)} if counts else {}),
                memory: mib(row[MEMORY]) if ok else failed(row),
                "Training Latency (s)": num(row["train_latency_s"], ".2f") if ok else "",
                "Iteration p10–p90 (ms)": spread(row) if ok else "",
@@ -221,6 +230,8 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     if "max_batch_size" in df and df["max_batch_size"].notna().any():  # find_batch's answer, which
         # is also the micro-batch the row's metrics are of
         out["Max micro-batch"] = [num(v, ".0f") for v in df["max_batch_size"]]
+    if differ_in_training(df):  # an adapter's rows against full training's: what each trains
+        out["Trainable"] = [trainable(r) for r in df.reindex(columns=["trainable_params", "params"]).to_dict("records")]
     if "predicted_max_batch_size" in df and df["predicted_max_batch_size"].notna().any():
         # where a measured search started: the predictor's answer, beside the probes' own
         out["Predicted max micro-batch"] = [num(v, ".0f") for v in df["predicted_max_batch_size"]]

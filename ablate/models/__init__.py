@@ -74,6 +74,15 @@ class Adapter:
         return type(getattr(self.layer_list(model)[0], self.attention))
 
 
+def logical_numel(p: torch.Tensor) -> int:
+    """The elements a parameter stands for: its own, except a 4-bit quantised weight's (bitsandbytes'
+    Params4bit packs two weights per byte and keeps the original shape in its `quant_state`), which
+    counts those of the weight it quantises, as a parameter count should."""
+    state = getattr(p, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of (B, T, vocab) logits against (B, T) targets, taken in fp32
     whatever the compute dtype (the (B*T, vocab) logits are upcast). Every family uses this one,
@@ -159,6 +168,20 @@ class ParamLayout:
         return cls(two.model, two.prefix, {name: two.shapes[seen] for name, seen in pairs},
                    [[f"{two.prefix}{i}.{rest}" for rest in rests] for i in range(n)], sampled=True,
                    frozen=frozenset(name for name, seen in pairs if seen in two.frozen))
+
+    def numels(self) -> dict[str, int]:
+        """The whole model's parameter name -> its elements (`logical_numel`: a 4-bit weight counts
+        the weights it packs), read off the model the layout read (a sample's layer 0 stands for
+        every layer), in `shapes`' order."""
+        packed = {name: n for name, p in self.model.named_parameters() if (n := logical_numel(p)) != p.numel()}
+        if not packed:
+            return {name: math.prod(shape) for name, shape in self.shapes.items()}
+
+        def seen(name: str) -> str:  # the name in the model read that `name` repeats
+            if not self.sampled or not name.startswith(self.prefix):
+                return name
+            return f"{self.prefix}0.{name[len(self.prefix):].split('.', 1)[1]}"
+        return {name: packed.get(seen(name), math.prod(shape)) for name, shape in self.shapes.items()}
 
     def expert_names(self, adapter: Adapter) -> set[str]:
         """The whole model's names of a mixture of experts' weights, read off the model the layout
@@ -304,6 +327,15 @@ class Family(Option, abc.ABC):
         """Parameters counted once (tied weights are one tensor), as transformers counts them."""
         return sum(math.prod(shape) for shape in self.layout.shapes.values())
 
+    def param_counts(self, change: Callable[[nn.Module], nn.Module] | None = None) -> tuple[int, int]:
+        """(parameters, trainable parameters) of the model `change` makes of this family's (as
+        `layout_with`), each counted once (a tied weight is one tensor), a 4-bit weight as the
+        weights it packs: the counts of a row no worker built."""
+        layout = self.layout_with(change)
+        numels = layout.numels()
+        total = sum(numels.values())
+        return total, total - sum(numels[name] for name in layout.frozen)
+
     def flops_params(self) -> int:
         """N of the PaLM FLOPs count: the parameters a token's matmuls multiply by. Leaves out learned
         position embeddings, and an untied token embedding (a lookup, no matmul; the LM head's
@@ -323,3 +355,14 @@ class Family(Option, abc.ABC):
         query heads x head_dim, the hidden size here (GPT-2's heads split it)."""
         layout = self.layout
         return len(layout.layer_names), layout.model.get_submodule(self.adapter.embedding).weight.shape[1]
+
+
+def param_change(t) -> Callable[[nn.Module], nn.Module] | None:
+    """The change of the parameters that `t`'s options make (ablate/build.py change_params, `t` a
+    build.Techniques), or None where none of them overrides `change_params`, so that the family's
+    own layout, read once, serves (`layout_with(None)`)."""
+    if all(type(o).change_params is Option.change_params for o in t.options().values()):
+        return None
+    from ablate.build import change_params  # ablate.build imports this module
+
+    return change_params(t)
