@@ -1,5 +1,6 @@
 """Per-device figures: dense peak TFLOP/s per GPU and compute dtype (for MFU and the step-time
-model), memory and host-link bandwidths (for the step-time model), the PaLM FLOPs count.
+model), memory and host-link bandwidths (for the step-time model), the PaLM FLOPs count (frozen
+weights at 4 FLOPs a token, not 6).
 
 Vendor datasheet figures, peaks without sparsity. MFU must divide by the peak of the dtype the
 matmuls actually ran in: an fp32 run on an H100 is measured against 67 TFLOP/s, not against bf16's
@@ -94,10 +95,18 @@ def device(name: str | None) -> Device | None:
     return None
 
 
-def flops_per_token(n_params_non_embedding: int, n_layer: int, width: int, seq_len: int) -> int:
+def flops_per_token(n_trainable: int, n_layer: int, width: int, seq_len: int, n_frozen: int = 0) -> int:
     """Model FLOPs per trained token, PaLM convention: 6N for the weights + 12 L H T for attention
-    (H: the attention's width, query heads x head_dim; QK^T and AV make 4·T·H forward)."""
-    return 6 * n_params_non_embedding + 12 * n_layer * width * seq_len
+    (H: the attention's width, query heads x head_dim; QK^T and AV make 4·T·H forward). A weight
+    makes 2 FLOPs forward and 4 backward, 2 for its input's gradient and 2 for its own; a frozen
+    one (`n_frozen`) has no gradient of its own to make, so it costs 4."""
+    return 6 * n_trainable + 4 * n_frozen + 12 * n_layer * width * seq_len
+
+
+def forward_flops_per_token(n_params: int, n_layer: int, width: int, seq_len: int) -> int:
+    """The forward's share of `flops_per_token` (trainable and frozen weights alike): 2N + 4 L H T,
+    what a recomputed forward runs again."""
+    return 2 * n_params + 4 * n_layer * width * seq_len
 
 
 

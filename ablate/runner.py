@@ -19,8 +19,8 @@ from ablate.build import Techniques, build_model, build_optimizer, check_config,
 from ablate.capacity import MemoryLimit
 from ablate.data import TokenData
 from ablate.events import EventWriter
-from ablate.hardware import flops_per_token, peak_tflops
-from ablate.models import logical_numel
+from ablate.hardware import flops_per_token, forward_flops_per_token, peak_tflops
+from ablate.models import logical_numel, param_change
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
 from ablate.train import evaluate, train_step
@@ -247,9 +247,12 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
     B, world, T = spec.batch_size, t.parallel.world_size, spec.seq_len
     seconds = max(sum(r["times_ms"]) for r in ranks) / 1e3  # the slowest rank sets the pace
     tokens = run.steps * B * world * T
-    # Counted on the meta device, not on the (possibly sharded) model.
-    tflops = flops_per_token(t.model.flops_params(), *t.model.dims(), T) * tokens / seconds / world / 1e12 \
-        if seconds else None
+    # Counted on the meta device, not on the (possibly sharded) model: the model the techniques
+    # make, whose frozen weights make no gradient of their own.
+    n_trained, n_frozen = t.model.flops_split(param_change(t))
+    layers, width = t.model.dims()
+    per_token = flops_per_token(n_trained, layers, width, T, n_frozen)
+    tflops = per_token * tokens / seconds / world / 1e12 if seconds else None
     peak = peak_tflops(gpu_name, t.precision.compute_dtype, spec.peak_tflops)
     mfu = tflops / peak if peak and tflops is not None else None
     tail = run.losses[-max(1, run.steps // 10):]  # loss_final: mean of the last 10% of steps
@@ -264,9 +267,11 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         "samples_per_s": run.steps * B * world / seconds if seconds else None,
         "tflops": tflops,
         "mfu": mfu,
-        # HFU counts the recomputed forward too (layers, and the chunked loss's head): a full
-        # forward is a third of the 6N model FLOPs.
-        "hfu": mfu * (1 + (t.checkpoint.recompute_fraction + t.loss.recompute_fraction) / 3)
+        # HFU counts the recomputed forward too (layers, and the chunked loss's head), as its share
+        # of the forward, which is a third of the model FLOPs with nothing frozen and more without
+        # the frozen weights' own gradients.
+        "hfu": mfu * (1 + (t.checkpoint.recompute_fraction + t.loss.recompute_fraction)
+                      * forward_flops_per_token(n_trained + n_frozen, layers, width, T) / per_token)
         if mfu is not None else None,
         "compile_s": run.compile_s,
         "skipped_steps": run.skipped_steps,

@@ -1,22 +1,30 @@
-"""What a point trains: `params` and `trainable_params` in every row (the worker's count of its
-built model, a plan's of the meta layout, the same figures), the report's Trainable column where
-rows differ in them, the contract's refusal of a negative count."""
+"""What a point trains and what it costs: `params` and `trainable_params` in every row (the worker's
+count of its built model, a plan's of the meta layout, the same figures), the report's Trainable
+column where rows differ in them, the contract's refusal of a negative count; and the FLOPs count
+that gives a frozen weight 4 FLOPs a token instead of 6 (tflops, mfu, hfu and the step-time
+model), checked by hand and against FlopCounterMode on a real CPU step."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 from ablate import build, results, runner, spec as spec_module
-from ablate.build import TECHNIQUE_GROUPS
+from ablate.build import TECHNIQUE_GROUPS, Techniques, build_model, build_optimizer, check_config
 from ablate.events import EventWriter
-from ablate.models import logical_numel
+from ablate.hardware import flops_per_token
+from ablate.models import logical_numel, param_change
 from ablate.schema import GROUPS
 from ablate.spec import RunSpec
 from ablate.techniques import Option
+from ablate.train import train_step
 from analysis import compare, tables
 from analysis.load import load
 from helpers import compose_config, fast_defaults, results_under, run_cli
-from test_predict_params import FreezeEmbedding
+from test_predict_params import FreezeEmbedding, Nothing
 
 # FAST's gpt-nano: 3 layers of width 48, a 128-token vocabulary tied to the head, 1,024 positions.
 L, D, V, POSITIONS = 3, 48, 128, 1024
@@ -161,3 +169,90 @@ def test_the_report_says_what_each_row_trains_only_where_the_rows_differ(tmp_pat
     setting, full = _tables(tmp_path / "same")
     assert "Trainable" not in setting and "Trainable" not in full
     assert tables.trainable({"trainable_params": 3_407_872, "params": 8_030_261_248}) == "3.41 M of 8.03 B (0.0424%)"
+
+
+# FLOPs by hand: N of the PaLM count for gpt-nano, without its position embedding, the tied
+# embedding once as the head.
+N = NANO_PARAMS - POSITIONS * D
+
+
+def test_the_workers_tflops_count_a_frozen_weight_at_four_flops_a_token(tune, tmp_path):
+    m = worker_metrics(tune(FreezeEmbedding, "peak_tflops=1"), tmp_path)
+    # 6 FLOPs a token for a trainable weight, 4 for the frozen head, PaLM's attention term
+    per_token = 6 * (N - V * D) + 4 * V * D + 12 * L * D * 16
+    tokens = 3 * 4 * 16  # FAST: 3 timed steps of 4 samples of 16 tokens
+    assert m["tflops"] * 1e12 * m["train_latency_s"] / tokens == pytest.approx(per_token, rel=1e-9)
+    assert m["hfu"] == m["mfu"]  # nothing recomputed
+
+
+def test_hfu_counts_a_recomputed_forward_as_its_share_of_a_partly_frozen_step(tune, tmp_path):
+    m = worker_metrics(tune(FreezeEmbedding, "peak_tflops=1", "checkpoint=block"), tmp_path)
+    r = L * 12 * D * D / (L * 12 * D * D + V * D)  # block recompute: the layers' matmul weights of all
+    model = 6 * (N - V * D) + 4 * V * D + 12 * L * D * 16
+    forward = 2 * N + 4 * L * D * 16
+    assert m["hfu"] / m["mfu"] == pytest.approx(1 + r * forward / model, rel=1e-9)
+    assert m["hfu"] / m["mfu"] > 1 + r / 3  # a frozen head makes the forward more than a third
+
+
+def test_a_frozen_weight_costs_four_flops_a_token_and_a_trainable_one_six(tune):
+    t = Techniques.of(tune(FreezeEmbedding))
+    assert t.model.flops_split() == (N, 0) and t.model.flops_params() == N  # nothing changed: PaLM's N
+    trained, frozen = t.model.flops_split(param_change(t))
+    assert (trained, frozen) == (N - V * D, V * D)  # the head, tied to the frozen embedding
+    assert flops_per_token(trained, L, D, 16, frozen) == 6 * (N - V * D) + 4 * V * D + 12 * L * D * 16
+    t = Techniques.of(tune(FreezeMLP))
+    assert t.model.flops_split(param_change(t)) == (N - L * MLP, L * MLP)
+
+
+def test_padded_head_rows_leave_the_side_the_head_is_on(tune):
+    """GPT-2's flops_params leaves the padded rows of its head out (no token's work): frozen, the
+    head's rows leave the frozen share, not the trainable one."""
+    t = Techniques.of(tune(FreezeEmbedding, "model.pad_vocab_to=100"))  # 128 rows padded to 200
+    assert t.model.flops_params() == N
+    assert t.model.flops_split(param_change(t)) == (N - V * D, V * D)
+    t = Techniques.of(tune(FreezeMLP, "model.pad_vocab_to=100"))
+    assert t.model.flops_split(param_change(t)) == (N - L * MLP, L * MLP)
+
+
+def test_the_step_time_model_counts_frozen_weights_at_four(tune):
+    from ablate.predict.step_time import work_of
+
+    plain, frozen = work_of(tune(Nothing)), work_of(tune(FreezeEmbedding))
+    tokens = 4 * 16
+    assert plain.flops - frozen.flops == pytest.approx(2 * V * D * tokens, rel=1e-12)
+    # a 16-bit head of 130 rows breaks tensor-core alignment: its FLOPs, 4 a token frozen, run slower
+    bf16 = ("device=cuda", "precision=bf16_pure", "model.vocab_size=130")
+    plain, frozen = work_of(tune(Nothing, *bf16)), work_of(tune(FreezeEmbedding, *bf16))
+    assert (plain.unaligned_flops, frozen.unaligned_flops) == (6 * 130 * D * tokens, 4 * 130 * D * tokens)
+
+
+def counted_step(spec) -> tuple[int, int]:
+    """(FLOPs FlopCounterMode counts in one real training step of `spec` on the CPU, the model
+    count of them): attention by the math kernel, whose matmuls it counts (the CPU's fused
+    kernel it does not)."""
+    t = check_config(spec, "cpu")
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    model = build_model(t, cpu)
+    optimizer = build_optimizer(model, t)
+    batch = torch.randint(0, V, (2, spec.batch_size, spec.seq_len))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        train_step(model, optimizer, t.precision.grad_scaler("cpu"), t, (batch[0], batch[1]), cpu)
+    trained, frozen = t.model.flops_split(param_change(t))
+    per_token = flops_per_token(trained, *t.model.dims(), spec.seq_len, frozen)
+    return counter.get_total_flops(), per_token * spec.batch_size * spec.seq_len
+
+
+@pytest.mark.parametrize("option", [FreezeMLP, FreezeEmbedding])
+def test_the_count_agrees_with_the_matmuls_a_partly_frozen_step_runs(tune, option):
+    """FlopCounterMode counts the matmuls the step runs; the count's N also holds the biases and
+    norms (2% of gpt-nano's), so the two agree within 3%. Counting the frozen weights at 6 FLOPs
+    would miss by far more."""
+    plain, plain_count = counted_step(tune(Nothing))
+    ran, count = counted_step(tune(option))
+    assert count == pytest.approx(ran, rel=0.03) and plain_count == pytest.approx(plain, rel=0.03)
+    frozen = L * MLP if option is FreezeMLP else V * D
+    assert ran < plain and not math.isclose(plain_count, ran, rel_tol=0.03)  # the old count
+    # the weight gradients a frozen weight skips: 2 FLOPs a token for each of its elements
+    assert plain - ran == pytest.approx(2 * frozen * 4 * 16, rel=0.03)

@@ -340,15 +340,35 @@ class Family(Option, abc.ABC):
         """N of the PaLM FLOPs count: the parameters a token's matmuls multiply by. Leaves out learned
         position embeddings, and an untied token embedding (a lookup, no matmul; the LM head's
         matrix is counted). A tied embedding is counted once, as the LM head."""
-        a, layout = self.adapter, self.layout
-        shapes = layout.shapes  # tied: one name
+        return sum(self._matmul_split(self.layout))
+
+    def flops_split(self, change: Callable[[nn.Module], nn.Module] | None = None) -> tuple[int, int]:
+        """`flops_params`' N of the model `change` makes (as `layout_with`) as (trainable, frozen):
+        a frozen weight's backward makes its input's gradient but not its own, so the FLOPs count
+        takes 6 per trainable element and 4 per frozen one. With nothing frozen, (flops_params(), 0)."""
+        a, layout = self.adapter, self.layout_with(change)
+        trainable, frozen = self._matmul_split(layout)
+        # What a family's flops_params takes off the rule's count (GPT-2's padded head rows) is the
+        # head's: on the side its weight trains on (tied, the embedding's name is the head's).
+        correction = self.flops_params() - sum(self._matmul_split(self.layout))
+        head = f"{a.lm_head}.weight" if f"{a.lm_head}.weight" in layout.shapes else f"{a.embedding}.weight"
+        return (trainable, frozen + correction) if head in layout.frozen else (trainable + correction, frozen)
+
+    def _matmul_split(self, layout: ParamLayout) -> tuple[int, int]:
+        """(trainable, frozen) elements a token's matmuls multiply by, by the rules of `flops_params`."""
+        a, numels = self.adapter, layout.numels()  # tied: one name
         skip = {f"{a.position_embedding}.weight"} if a.position_embedding else set()
-        if f"{a.lm_head}.weight" in shapes:  # untied (named_parameters lists a shared tensor once)
+        if f"{a.lm_head}.weight" in numels:  # untied (named_parameters lists a shared tensor once)
             skip.add(f"{a.embedding}.weight")
         # A mixture of experts' weights count as the share a token is routed through (Mixtral 8x7B:
         # 2 of 8 experts, 12.9B of 46.7B parameters); their names read off the model the layout read.
-        in_experts = sum(math.prod(shapes[n]) for n in layout.expert_names(a))
-        return sum(math.prod(s) for n, s in shapes.items() if n not in skip) - round(in_experts * (1 - a.routed))
+        experts = layout.expert_names(a)
+        split = []
+        for frozen in (False, True):
+            names = [n for n in numels if n not in skip and (n in layout.frozen) == frozen]
+            in_experts = sum(numels[n] for n in names if n in experts)
+            split.append(sum(numels[n] for n in names) - round(in_experts * (1 - a.routed)))
+        return split[0], split[1]
 
     def dims(self) -> tuple[int, int]:
         """(layers, attention width): the attention term of the PaLM FLOPs count. The width is the

@@ -4,10 +4,11 @@ What the step does comes from what the memory model already knows (`Work`, read 
 model's shapes and sizes, ablate/predict/analytic.py); how fast a device does it from its datasheet
 and the few efficiencies fit on recorded runs (`seconds`, ablate/hardware.py). Per micro-step:
 
-- matmuls: PaLM's model FLOPs of its tokens, plus the forward the checkpoint and loss options run
-  again (their recompute_fraction of the 2N forward FLOPs), at MATMUL_EFFICIENCY of the dense
-  peak for the compute dtype, lower for a micro-batch of few tokens (HALF_RATE_TOKENS); a 16-bit
-  LM head whose rows break tensor-core alignment (GPT-2's 50,257) UNALIGNED_HEAD times slower;
+- matmuls: PaLM's model FLOPs of its tokens (a frozen weight's 4 a token, a trainable one's 6),
+  plus the forward the checkpoint and loss options run again (their recompute_fraction of the 2N
+  forward FLOPs), at MATMUL_EFFICIENCY of the dense peak for the compute dtype, lower for a
+  micro-batch of few tokens (HALF_RATE_TOKENS); a 16-bit LM head whose rows break tensor-core
+  alignment (GPT-2's 50,257) UNALIGNED_HEAD times slower;
 - device-memory traffic of what the matmuls do not cover, at HBM_EFFICIENCY of the bandwidth:
   every byte a layer keeps for backward written and read in forward, read in backward and its
   gradient made there (ACTIVATION_PASSES; a recomputed byte is made again), and the logits'
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 from ablate import hardware
 from ablate.hardware import Device, flops_per_token
+from ablate.models import param_change
 from ablate.predict.analytic import BYTES, sized
 from ablate.predict.timeline import Step
 
@@ -116,17 +118,18 @@ def work_of(spec) -> Work:
     family, micro = t.model, t.accumulation.steps
     tokens = shapes.b * shapes.s
     again = _recomputed(spec, t)
-    n, (layers, width) = family.flops_params(), family.dims()
+    (n, frozen), (layers, width) = family.flops_split(param_change(t)), family.dims()
     in_layers, head_again = min(again.layers_again / again.layers, 1.0), again.head_again
     # Run again: 2 FLOPs per weight a token multiplies by, and attention's forward (4LHT of the
     # PaLM count's 12LHT) in the layers recomputed.
     forward_again = 2 * again.again + 4 * layers * width * spec.seq_len * in_layers
-    flops = (flops_per_token(n, layers, width, spec.seq_len) + forward_again) * tokens
+    flops = (flops_per_token(n, layers, width, spec.seq_len, frozen) + forward_again) * tokens
     dtype = t.precision.compute_dtype
     rows = shapes.vocab if t.loss.from_hidden else shapes.padded_vocab
     align = {"bf16": 8, "fp16": 8, "tf32": 4}.get(dtype)  # 16 bytes of the tensor cores' operands
-    unaligned = 6 * rows * shapes.h * tokens * (1 + head_again / 3) \
-        if align and not sizes.compiled and rows % align else 0.0
+    # The head's FLOPs a token (a frozen head makes no weight gradient: 4, not 6), its recompute's besides.
+    head_flops = (4 if (shapes.lm_head or shapes.embedding) in shapes.frozen else 6) + 2 * head_again
+    unaligned = head_flops * rows * shapes.h * tokens if align and not sizes.compiled and rows % align else 0.0
     kept = sum(full for _, full in sizes.blocks) + sum(full - saved for saved, full in sizes.blocks)
     logits = tokens * rows * logit_bytes(sizes.compute_bytes, sizes.compiled, t.loss.from_hidden, head_again > 0)
     offload = _Offloaded(shapes, sizes)
