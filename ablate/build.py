@@ -48,7 +48,8 @@ def plan_of(spec: RunSpec, device: str, t: Techniques) -> Plan:
                 grad_scaler=t.precision.scales_loss, param_dtype=t.precision.param_dtype,
                 stochastic_rounding=t.precision.stochastic_rounding,
                 sharded=t.parallel.shards_params or t.offload.shards_params,
-                in_backward=t.optimizer.in_backward, chunked_loss=t.loss.from_hidden)
+                in_backward=t.optimizer.in_backward, chunked_loss=t.loss.from_hidden, frozen_base=t.peft.freezes_base,
+                autocast=t.precision.autocast_dtype is not None)
 
 
 def check_config(spec: RunSpec, device: str | None = None) -> Techniques:

@@ -37,6 +37,7 @@ REGISTRY = (
     Group("offload", off="none", removable=True, order=3),
     Group("parallel", off="single", fallback=("ddp",), removable=True, order=4),
     Group("loss", off="standard", removable=True, order=6),
+    Group("peft", off="none", removable=True, order=7),
 )
 BY_NAME = {g.name: g for g in REGISTRY}
 GROUPS = tuple(g.name for g in REGISTRY)  # result.json's `choices`, in this order

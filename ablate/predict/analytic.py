@@ -25,11 +25,12 @@ where the real one does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ablate.build import Techniques, change_params
 from ablate.predict import Prediction
-from ablate.predict.layers import Arch, arch_of, forward_temp, inner_temp, layer_saves, math_sdpa, mlp_saves
+from ablate.predict.layers import (Arch, Training, arch_of, forward_temp, inner_temp, layer_saves, math_sdpa,
+                                   mlp_saves, recompute_grads, unfed)
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import Option
@@ -59,6 +60,7 @@ class Shapes:
     lm_head: str | None  # the LM head's weight when untied, else None
     linear_names: list  # layer 0's parameters inside its attention and MLP (what autocast casts)
     frozen: frozenset = frozenset()  # parameters that train not: no gradient, no optimizer state
+    packed: dict = field(default_factory=dict)  # parameter name -> bytes per element of a non-float storage (4-bit)
 
     @property
     def h(self) -> int:
@@ -109,7 +111,18 @@ def _shapes_of(spec: RunSpec, t: Techniques) -> Shapes:
                   layer_names=layout.layer_names, embedding=f"{a.embedding}.weight",
                   lm_head=lm_head if lm_head in shapes else None,
                   linear_names=[n for n in layout.layer_names[0]
-                                if n.startswith(inner) and n not in experts], frozen=layout.frozen)
+                                if n.startswith(inner) and n not in experts], frozen=layout.frozen,
+                  packed=_packed(layout))
+
+
+def _packed(layout) -> dict:
+    """{name: bytes per element} of the parameters stored as integers (a 4-bit base packs two weights
+    per uint8), read off the meta model the layout read: its layer 0 stands for every layer."""
+    def rest(name: str) -> str:  # a layer's name past "<prefix><i>.", else the name
+        return name[len(layout.prefix):].split(".", 1)[1] if name.startswith(layout.prefix) else name
+
+    seen = {rest(n): p.element_size() for n, p in layout.model.named_parameters() if not p.is_floating_point()}
+    return {n: seen[rest(n)] for n in layout.shapes if rest(n) in seen} if seen else {}
 
 
 def _param_change(t: Techniques):
@@ -160,7 +173,8 @@ def _model_state(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if t.offload.grads_on_host:
         grads = dict.fromkeys(grads, 0.0)
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in shapes.groups]
-    sizes = Sizes(params=0.0 if offloaded else sum(local.values()) * param_bytes, grads=grads, states=states,
+    stored = sum(numel * shapes.packed.get(n, param_bytes) for n, numel in local.items())
+    sizes = Sizes(params=0.0 if offloaded else stored, grads=grads, states=states,
                   step_temp=0.0 if states == 0 else t.optimizer.step_temp_bytes(groups, param_bytes, device),
                   other=(sum(shapes.param_numels[n] for n in trains) * param_bytes if p.ddp_buckets else 0.0)
                   + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
@@ -196,14 +210,24 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     r = c if fsdp_mp else BYTES[t.precision.param_dtype]
     ln = 4 if a.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else r
     sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
-    sizes.inner_temp = inner_temp(a, sb, c, r, _grad_bytes(t))
-    sizes.forward_temp = forward_temp(a, sb, r)
+    tr = _training(t)
+    sizes.inner_temp = inner_temp(a, sb, c, r, _grad_bytes(t), tr)
+    sizes.forward_temp = forward_temp(a, sb, r, c, tr)
+    sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
-    sizes.mlp_saved = mlp_saves(a, sb, r, c, ln)
+    sizes.mlp_saved = mlp_saves(a, sb, r, c, ln, tr)
     seq = shapes.s if math_sdpa(a, device, c) else 0  # SDPA's math backend keeps (T, T) probabilities
-    sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, seq) for i in range(shapes.layers)]
-    # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's normalised input and rsqrt.
-    final = shapes.sbh * r + sb * 4 if a.kind == "llama" else 2 * sb * 4
+    sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, seq, tr) for i in range(shapes.layers)]
+    if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient
+        saved, full = sizes.blocks[0]
+        dead = unfed(a, sb, r, c, ln, tr)
+        # kept (not recomputed): not even the input itself, which nothing before an adapter keeps
+        sizes.blocks[0] = (max(saved - dead - shapes.sbh * r, 0.0) if saved else 0.0, full - dead)
+    # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).
+    sizes.head_keeps_input = t.peft.train_embeddings or t.loss.from_hidden
+    # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's rsqrt and normalised input
+    # (for its weight's gradient).
+    final = shapes.sbh * r * tr.norms + sb * 4 if a.kind == "llama" else 2 * sb * 4
     sizes.ln_f_stats = 0 if t.checkpoint.recomputes_final_norm else final
     if a.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
         sizes.embed_temp = shapes.sbh * r + shapes.s * shapes.h * r
@@ -226,6 +250,13 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     return sizes
 
 
+def _training(t: Techniques) -> Training:
+    """What of each decoder layer trains, as the peft option says."""
+    p = t.peft
+    return Training(attn=p.trains("attention"), mlp=p.trains("mlp"), norms=not p.freezes_base, rank=p.r,
+                    dropout=bool(p.dropout), dora=getattr(p, "use_dora", False))
+
+
 def _fp8_weights(t: Techniques) -> int:
     """Elements of one layer's weights that the precision option computes in float8 (FP8's
     fp8_weights: autocast casts no 16-bit copy of them)."""
@@ -235,7 +266,7 @@ def _fp8_weights(t: Techniques) -> int:
 # The groups whose options this model asks its questions of, each in its own terms (an optimizer its
 # state bytes, a checkpoint option what a layer keeps, ...). An option of any other group has told
 # it nothing: a point with one is predicted by the trace instead, never without that group's bytes.
-ASKED = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer", "loss")
+ASKED = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer", "loss", "peft")
 
 
 def _asked(t: Techniques) -> None:

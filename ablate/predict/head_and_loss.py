@@ -19,8 +19,9 @@ class LossPlay:
     bytes `c`, and its `keep` and `grad`."""
 
     def head_input(self) -> float:
-        """ln_f's output, the head's input, kept for backward (on the host under activation offload)."""
-        return self.keep(self.shapes.sbh * self.c)
+        """ln_f's output, the head's input, kept for backward (on the host under activation offload);
+        not by a frozen head, which needs it for no gradient of its own."""
+        return self.keep(self.shapes.sbh * self.c) if self.sizes.head_keeps_input else 0.0
 
     def head_cast_kept(self) -> float:
         """Autocast's cast of the head's weight, kept from forward for backward: not by the chunked

@@ -73,10 +73,12 @@ class Sizes:
     norm_bytes: int = 4  # ln: what a LayerNorm keeps of its input: r, or a 4-byte copy (CUDA autocast)
     blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
     ln_f_stats: float = 0.0  # what the final norm keeps beyond its input and output, unless recomputed
+    head_keeps_input: bool = True  # the head keeps its input (ln_f's output) for its weight's gradient
     embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
     rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
     inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
     forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
+    recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
@@ -165,7 +167,7 @@ class Step(LossPlay):
             self.gather(sizes.root, "other")
         self.loss_backward()
         # What the head saved (its weight's cast, unless chunked; its input, ln_f's output), and of it on the device.
-        saved = (self.sizes.lm_head_cast if sizes.loss_chunks == 1 else 0.0) + sbh * self.c
+        saved = (self.sizes.lm_head_cast if sizes.loss_chunks == 1 else 0.0) + sbh * self.c * sizes.head_keeps_input
         on_device = self.head_cast_kept() + self.head_input()
         tl.transient("activations", saved - on_device)  # back from the host
         tl.free("activations", keep(self.sizes.ln_f_stats + sbh * r + self.ln_copy) + on_device)  # and x_L
@@ -179,9 +181,11 @@ class Step(LossPlay):
             back += 0 if self.keeps_cast(saved) else self.sizes.block_cast  # cast again, or copied back
             early = 0.0  # kept bytes freed before the recompute
             if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
+                tl.alloc("other", sizes.recompute_grads if full > saved else 0.0)
                 tl.alloc("activations", back)
                 if full > saved:  # what the recomputed forward makes and drops
                     tl.transient("activations", sizes.forward_temp)
+                tl.free("other", sizes.recompute_grads if full > saved else 0.0)
                 tl.transient("other", sizes.inner_temp)  # d c_fc out and d GELU out alive together
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
                 tl.transient("other", sizes.inner_temp)  # whose saved tensors are gone by then

@@ -35,6 +35,8 @@ class Plan:
     sharded: bool = False  # parameters are FSDP's shards (parallel=fsdp; offload=params, even in one process)
     in_backward: bool = False  # the optimizer steps each parameter inside backward
     chunked_loss: bool = False  # the loss option takes the model's hidden states and head (not its logits)
+    frozen_base: bool = False  # the base weights train not: adapters beside them do (peft)
+    autocast: bool = False  # the precision option computes under autocast (its parameters stay fp32)
 
 
 class Option:

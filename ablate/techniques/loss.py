@@ -99,8 +99,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         h, weight, bias, y = ctx.saved_tensors
         grad_h = torch.empty_like(h)  # (N, C)
-        grad_weight = torch.zeros_like(weight)  # (V, C), summed in place over the slices
-        grad_bias = None if bias is None else torch.zeros_like(bias)
+        # (V, C), summed in place over the slices; none for a frozen head (adapters: peft)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         grad_w, grad_b = _rows(grad_weight, grad_bias, ctx.vocab)  # its token rows: padding's stay 0
         with torch.autocast(h.device.type, enabled=False):
             w, b = _rows(weight, bias, ctx.vocab, ctx.dtype)
@@ -130,7 +131,9 @@ def _slice_loss(hs, w, b, ys, grads=None) -> torch.Tensor:
     g = logits.to(hs.dtype)  # (n, V) d logits for the matmuls
     del logits  # in 16-bit its fp32 bytes go now, before the matmuls (fp32: g is the same tensor)
     dh[:] = g @ w
-    if grad_w.dtype == hs.dtype:  # (V, C), summed in place
+    if grad_w is None:  # a frozen head
+        pass
+    elif grad_w.dtype == hs.dtype:  # (V, C), summed in place
         grad_w.addmm_(g.t(), hs)
     else:  # autocast: the slice's share in the compute dtype, added into the parameter dtype
         grad_w += g.t() @ hs
@@ -178,8 +181,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
         dtype = _compute_dtype(h.device.type, weight.dtype)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h) if grads else None  # (N, C)
-        grad_weight = torch.zeros_like(weight) if grads else None  # (V, C), summed in place over the slices
-        grad_bias = torch.zeros_like(bias) if grads and bias is not None else None
+        # (V, C), summed in place over the slices; none for a frozen head (adapters: peft)
+        grad_weight = torch.zeros_like(weight) if grads and weight.requires_grad else None
+        grad_bias = torch.zeros_like(bias) if grads and bias is not None and bias.requires_grad else None
         grad_w, grad_b = _rows(grad_weight, grad_bias, vocab) if grads else (None, None)  # padding's rows stay 0
         with torch.autocast(h.device.type, enabled=False):
             w, b = _rows(weight, bias, vocab, dtype)
@@ -194,10 +198,10 @@ class _FusedCrossEntropy(torch.autograd.Function):
         return *(None if g is None else g.mul_(grad_loss) for g in grads), None, None, None, None
 
 
-def _rows(weight: torch.Tensor, bias: torch.Tensor | None, vocab: int, dtype: torch.dtype | None = None):
+def _rows(weight: torch.Tensor | None, bias: torch.Tensor | None, vocab: int, dtype: torch.dtype | None = None):
     """The head's first `vocab` rows (views, no copy) of its weight (V, C) and bias (V,), cast to
     `dtype` when given (a copy of those rows only)."""
-    w, b = weight[:vocab], None if bias is None else bias[:vocab]
+    w, b = None if weight is None else weight[:vocab], None if bias is None else bias[:vocab]
     return (w, b) if dtype is None else (w.to(dtype), None if b is None else b.to(dtype))
 
 

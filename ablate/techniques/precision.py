@@ -150,6 +150,10 @@ class FP8(BF16):
 
     def check(self, plan: Plan) -> None:
         super().check(plan)
+        if plan.frozen_base:  # torchao would swap the adapters' own small Linears too, and the frozen
+            # base gains nothing it keeps: refused rather than half applied
+            raise Invalid("precision=fp8 converts the model's Linear layers to float8 for training them; "
+                          "with adapters (peft) the base is frozen: use precision=bf16 or bf16_pure")
         require_fp8_gpu(plan, "precision=fp8")
         if importlib.util.find_spec("torchao") is None:
             raise Invalid("precision=fp8 needs torchao: pip install torchao")
