@@ -169,10 +169,11 @@ class ParamLayout:
                    [[f"{two.prefix}{i}.{rest}" for rest in rests] for i in range(n)], sampled=True,
                    frozen=frozenset(name for name, seen in pairs if seen in two.frozen))
 
+    @functools.cached_property
     def numels(self) -> dict[str, int]:
         """The whole model's parameter name -> its elements (`logical_numel`: a 4-bit weight counts
         the weights it packs), read off the model the layout read (a sample's layer 0 stands for
-        every layer), in `shapes`' order."""
+        every layer), in `shapes`' order. Read once: a family's layout is read for every point."""
         packed = {name: n for name, p in self.model.named_parameters() if (n := logical_numel(p)) != p.numel()}
         if not packed:
             return {name: math.prod(shape) for name, shape in self.shapes.items()}
@@ -332,7 +333,7 @@ class Family(Option, abc.ABC):
         `layout_with`), each counted once (a tied weight is one tensor), a 4-bit weight as the
         weights it packs: the counts of a row no worker built."""
         layout = self.layout_with(change)
-        numels = layout.numels()
+        numels = layout.numels
         total = sum(numels.values())
         return total, total - sum(numels[name] for name in layout.frozen)
 
@@ -356,19 +357,20 @@ class Family(Option, abc.ABC):
 
     def _matmul_split(self, layout: ParamLayout) -> tuple[int, int]:
         """(trainable, frozen) elements a token's matmuls multiply by, by the rules of `flops_params`."""
-        a, numels = self.adapter, layout.numels()  # tied: one name
+        a, numels = self.adapter, layout.numels  # tied: one name
         skip = {f"{a.position_embedding}.weight"} if a.position_embedding else set()
         if f"{a.lm_head}.weight" in numels:  # untied (named_parameters lists a shared tensor once)
             skip.add(f"{a.embedding}.weight")
         # A mixture of experts' weights count as the share a token is routed through (Mixtral 8x7B:
         # 2 of 8 experts, 12.9B of 46.7B parameters); their names read off the model the layout read.
         experts = layout.expert_names(a)
-        split = []
-        for frozen in (False, True):
-            names = [n for n in numels if n not in skip and (n in layout.frozen) == frozen]
-            in_experts = sum(numels[n] for n in names if n in experts)
-            split.append(sum(numels[n] for n in names) - round(in_experts * (1 - a.routed)))
-        return split[0], split[1]
+        weights, in_experts = [0, 0], [0, 0]  # [trainable, frozen]
+        for name, n in numels.items():
+            if name not in skip:
+                frozen = name in layout.frozen
+                weights[frozen] += n
+                in_experts[frozen] += n if name in experts else 0
+        return tuple(w - round(e * (1 - a.routed)) for w, e in zip(weights, in_experts))
 
     def dims(self) -> tuple[int, int]:
         """(layers, attention width): the attention term of the PaLM FLOPs count. The width is the
