@@ -253,22 +253,33 @@ def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> f
     of experts' routing-weighted outputs, (S, h), and their copy put back in token order (for
     Mixtral in fp32, its routing weights' dtype). A dense MLP's all stay for backward: 0."""
     if tr.dora and "adapter" in (tr.attn, tr.mlp):
-        return max(adapter_temp(a, sb, r, c) if tr.mlp == "adapter" else 0.0, dora_norm_temp(a, c, tr))
+        return max(adapter_temp(a, sb, r, c) if tr.mlp == "adapter" else 0.0, dora_temp(a, sb, c, tr))
     if tr.mlp == "adapter":
         return adapter_temp(a, sb, r, c)
     return 2 * sb * a.top_k * a.hidden * (4 if a.fp32_routing else r) if a.experts else 0.0
 
 
-def dora_norm_temp(a: Arch, c: int, tr: Training) -> float:
-    """DoRA's weight norm, taken in each adapted Linear's forward (peft's DoraLinearLayer): the
-    adapter's dense update B·A made by running an (in, in) identity through the branch, the base
-    weight, the update scaled and their sum, all (out, in), of the largest adapted Linear."""
-    sizes = {"attn": [(a.hidden, a.heads * a.head_dim), (a.heads * a.head_dim, a.hidden)],
-             "mlp": [(a.hidden, a.inter), (a.inter, a.hidden)]}
+def dora_temp(a: Arch, sb: int, c: int, tr: Training) -> float:
+    """Made and dropped in forward by DoRA (peft's DoraLinearLayer), beyond what the layer keeps
+    once done: the largest of
+    - its weight norm, taken per adapted Linear from the adapter's dense update B·A (an (in, in)
+      identity run through the branch), the base weight, the update scaled and their sum, all
+      (out, in);
+    - at the MLP's first Linear (GPT-2's c_fc, Llama's up_proj), the magnitude's elementwise
+      terms over its (tokens, out) outputs: three alive at their sum, and with a bias the base's
+      output with it beside the output less it, which DoRA keeps; less what the MLP still makes
+      after it (its output, the activation's and the product's, the last Linear's DoRA outputs)."""
+    q, h = a.heads * a.head_dim, a.hidden
+    linears = {"attn": [(h, q), (q, h)], "mlp": [(h, a.inter), (a.inter, h)]}
     if a.kind == "gpt2":
-        sizes = {"attn": [(a.hidden, 3 * a.hidden)], "mlp": [(a.hidden, 4 * a.hidden), (4 * a.hidden, a.hidden)]}
-    return max((n_in * n_in + 3 * n_in * n_out) * c for part in ("attn", "mlp") if getattr(tr, part) == "adapter"
-               for n_in, n_out in sizes[part])
+        linears = {"attn": [(h, 3 * h)], "mlp": [(h, 4 * h), (4 * h, h)]}
+    norm = max((n_in * n_in + 3 * n_in * n_out) * c for part in ("attn", "mlp") if getattr(tr, part) == "adapter"
+               for n_in, n_out in linears[part])
+    if tr.mlp != "adapter":
+        return norm
+    out = 4 * h if a.kind == "gpt2" else a.inter
+    terms = (4 if a.kind == "gpt2" else 3) * out  # GPT-2's Linears have biases
+    return max(norm, (terms - 2 * out - 2 * h) * sb * c)
 
 
 def adapter_temp(a: Arch, sb: int, r: int, c: int) -> float:
@@ -306,6 +317,10 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL) ->
         S, h, i, weighted = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r
         grads = a.experts * 3 * i * h * g
         return max(3 * S * h * weighted, 2 * S * i * r + grads - S * (h + i) * r, 2 * sb * a.shared_inter * c)
+    widest = 2 * sb * (4 * a.hidden if a.kind == "gpt2" else a.inter) * c
+    if tr.dora and tr.mlp == "adapter":  # the last Linear's DoRA outputs are freed before the widest
+        # gradients exist; its own backward holds three (tokens, hidden) gradients with them alive
+        return max(widest - 2 * sb * a.hidden * c, 3 * sb * a.hidden * c)
     return (1 if a.kind == "neox" else 2) * sb * a.inter * c
 
 

@@ -143,6 +143,9 @@ class QLoRA(LoRA):
         if plan.autocast:  # bitsandbytes' 4-bit matmul is no autocast op: it computes in its own dtype
             raise Invalid("peft=qlora computes its 4-bit layers in the parameters' dtype, which autocast does not "
                           "reach: use precision=bf16_pure (bf16 compute and adapters, as QLoRA does) or fp32")
+        if plan.sharded:
+            raise Invalid("peft=qlora with FSDP (parallel=fsdp, fsdp1, fsdp_grad_op or offload=params): a shard of a "
+                          "4-bit weight loses its quantisation state; use parallel=ddp or single")
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as e:
