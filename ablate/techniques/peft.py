@@ -12,12 +12,17 @@ on CUDA (the measurements); torchao's NF4 tensor has no peft layer.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
 from ablate.techniques import Invalid, Option, Plan
+
+# bitsandbytes (which peft imports) warns on a CPU without the optional `kernels` package that its
+# fast 4-bit CPU kernel is missing; its own CPU path runs instead, and every point printed it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 TARGETS = ("attention", "mlp", "all")  # which linear layers of each decoder layer get adapters
 # bitsandbytes' NF4 with double quantisation, as the QLoRA paper: one 8-bit absmax per block of 64
@@ -32,9 +37,6 @@ class Full(Option):
     label = "Full fine-tune"
     freezes_base = False  # base weights, norms, embeddings and head train
     r, dropout, train_embeddings = 0, 0.0, True
-
-    def change_params(self, model, adapter):
-        return model
 
     def trains(self, part: str) -> str:
         """How a decoder layer's linear layers in `part` ("attention", "mlp") train: "full" (their
@@ -171,12 +173,18 @@ def _linear_4bit(linear: nn.Linear) -> nn.Module:
     weight = linear.weight
     q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                           compute_dtype=weight.dtype, compress_statistics=True, quant_type="nf4", device="meta")
-    if weight.is_meta:  # two 4-bit values per byte, as Params4bit packs them
+    if weight.is_meta:  # two 4-bit values per byte, as Params4bit packs them, and the shape they stand for
         data = torch.empty(((weight.numel() + 1) // 2, 1), dtype=torch.uint8, device="meta")
         q.weight = bnb.nn.Params4bit(data, requires_grad=False, compress_statistics=True, quant_type="nf4")
+        q.weight.quant_state = bnb.functional.QuantState(absmax=None, shape=weight.shape, dtype=weight.dtype,
+                                                         blocksize=NF4_BLOCK, quant_type="nf4")
     else:
         q.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, compress_statistics=True,
                                      quant_type="nf4").to(weight.device)  # `to` quantises it where it is
     if linear.bias is not None:
         q.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    # On a CPU, bitsandbytes repacks the weight in place for its AVX-512 kernel the first time the
+    # layer runs in eval mode without gradients (ablate's eval phase): a layout training then
+    # continues on, and one that needs out_features divisible by 32. Training's path is kept.
+    q.support_avx512bf16_for_cpu = False
     return q
