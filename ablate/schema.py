@@ -135,16 +135,17 @@ def option_defaults(group: str, option: str) -> dict:
 
 
 @functools.cache
-def built_option(group: str, option: str):
-    """The object conf/<group>/<option>.yaml builds with its own values, or None (no such file, or
-    it does not build): what the report asks for an option's label. Imports the class: the slow path."""
+def built_option(group: str, option: str, keys: tuple = ()):
+    """The object conf/<group>/<option>.yaml builds with its own values, `keys` ((key, value) pairs)
+    set over them, or None (no such file, or it does not build): what the report asks for an
+    option's label. Imports the class: the slow path."""
     from hydra.utils import instantiate
 
     node = option_defaults(group, option)
     if "_target_" not in node:
         return None
     try:
-        return instantiate({k: v for k, v in node.items() if k != "defaults"})
+        return instantiate({**{k: v for k, v in node.items() if k != "defaults"}, **dict(keys)})
     except Exception:  # a result of an option since changed or removed: the report falls back to its name
         return None
 

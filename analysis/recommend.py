@@ -26,6 +26,22 @@ def spans_cards(df: pd.DataFrame) -> bool:
     return capped and (planned or df[CARD].nunique() > 1)
 
 
+# What a user trains, not how: a plan over cards answers each of them apart (time per sample at
+# seq 8192 is no rival of one at 2048).
+WORKLOAD = ("batch_size", "seq_len")
+
+
+def workloads(df: pd.DataFrame, labels: list[str]) -> list[tuple[str, pd.DataFrame, list[str]]]:
+    """(title, its rows, the labels left) per workload (WORKLOAD values) of a plan over cards, in the
+    order they first appear; one untitled part where it trains one workload."""
+    keys = [k for k in WORKLOAD if k in df and df[k].astype(str).nunique() > 1]
+    if not keys:
+        return [("", df, labels)]
+    rest = [c for c in labels if c not in keys]
+    return [(", ".join(f"{k}={v}" for k, v in zip(keys, key)), df.loc[part.index], rest)
+            for key, part in df[keys].astype(str).groupby(keys, sort=False)]
+
+
 def card_of(row: pd.Series) -> tuple[str, float | None]:
     """(the card's name, its memory in MiB): '24 GiB card' for a cap, else the GPU's name."""
     if pd.notna(row.get(CARD)):

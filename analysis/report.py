@@ -41,8 +41,10 @@ def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple
     for title, part, part_labels in families:
         suffix = f": {title}" if title else ""
         if "setting" in which and recommend.spans_cards(part):  # a plan over cards: the answer, then by card
-            out.append(("Recommended" + suffix, recommend.recommendation(part, part_labels)))
-            out.append(("Setting by card" + suffix, recommend.by_card(part, part_labels)))
+            for work, rows, work_labels in recommend.workloads(part, part_labels):
+                named = ": ".join(t for t in (title, work) if t)
+                out.append(("Recommended" + (f": {named}" if named else ""), recommend.recommendation(rows, work_labels)))
+                out.append(("Setting by card" + (f": {named}" if named else ""), recommend.by_card(rows, work_labels)))
         elif "setting" in which:
             heading = "Setting (ladder)" if ladder else "Setting"
             out.append((heading + suffix, tables.setting(part, part_labels, bases[part.index[0]], ladder=ladder)))

@@ -11,7 +11,7 @@ from ablate.schema import GROUPS
 from analysis.table_cells import (MEMORY, NOISE, delta, failed, filled, flops, memory_heading, mib, num,  # noqa: F401
                             spread, time_delta, trainable, within_noise)
 from analysis.compare import BASELINE, do_nothing, set_away_from_default, spelled
-from analysis.option_names import key_label, label
+from analysis.option_names import key_label, label, option_label
 
 def setting_label(row: pd.Series, base: pd.Series, labels: list[str]) -> str:
     """'Baseline (batch size = 128)', '+ Gradient accumulation (32 × 4 = 128) + Block recompute'.
@@ -36,9 +36,19 @@ def combination(row: pd.Series, labels: list[str]) -> list[str]:
 def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
     """What `row` changes against `base`, one readable name per technique; a technique `row` drops
     (back to its group's do-nothing option) is "− " and the name of what `base` had."""
-    parts = []
+    parts, said = [], set()
+    for group in {c.split(".", 1)[0] for c in labels if "." in c} & set(GROUPS):
+        if str(row[group]) != str(base[group]) or any(str(row[c]) != str(base[c]) for c in labels
+                                                        if c.startswith(group + ".")):
+            said |= option_label(row, group, labels)[1]  # keys the option's own name says ("LoRA r=64")
     for col in labels:
         if str(row[col]) == str(base[col]) or ("." in col and _implied(row, base, col)):
+            continue
+        if col in said:
+            group = col.split(".", 1)[0]
+            name = option_label(row, group, labels)[0]
+            if str(row[group]) == str(base[group]) and name not in parts:  # only its keys changed
+                parts.append(name)
             continue
         if col in REMOVABLE and str(row[col]) == BASELINE[col]:  # "− Block recompute", not "+ checkpoint=none"
             parts.append("− " + changes(base, row, [col])[0])
@@ -55,7 +65,7 @@ def changes(row: pd.Series, base: pd.Series, labels: list[str]) -> list[str]:
         elif col == "checkpoint.types" and parts and parts[-1] == label("checkpoint", "layers"):
             parts[-1] += f" ({row[col].replace(',', ', ')})"  # "Layer-type recompute (layernorm, gelu)"
         elif col in GROUPS:
-            parts.append(label(col, row[col]))
+            parts.append(option_label(row, col, labels)[0])
         elif "." in col:
             parts.append(key_label(row, col))
         elif col == "compile":

@@ -48,14 +48,15 @@ def per_card(sweep_dir: Path) -> list[str]:
         df = load_rows([sweep_dir])
         if df.empty or not recommend.spans_cards(df):
             return []
-        labels = compare.varied(df)
         lines = []
-        for card, capacity, best, rows in recommend.answers(df, labels):
-            if not best:
-                lines.append(f"  {card}: nothing fits{recommend.leanest(rows, labels, capacity)}")
-                continue
-            lines.append(f"  {card}: {recommend.briefly(best[0], labels)}")
-            lines += [f"    also fits: {recommend.briefly(r, labels)}" for r in best[1:]]
+        for work, part, labels in recommend.workloads(df, compare.varied(df)):
+            lines += [f" {work}:"] if work else []
+            for card, capacity, best, rows in recommend.answers(part, labels):
+                if not best:
+                    lines.append(f"  {card}: nothing fits{recommend.leanest(rows, labels, capacity)}")
+                    continue
+                lines.append(f"  {card}: {recommend.briefly(best[0], labels)}")
+                lines += [f"    also fits: {recommend.briefly(r, labels)}" for r in best[1:]]
         return ["recommended, per card:", *lines] if lines else []
     except Exception as exc:  # a result the report cannot read: the counts above still stand
         return [f"  (no recommendation: {type(exc).__name__}: {exc})"]

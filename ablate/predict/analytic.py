@@ -174,6 +174,10 @@ def _model_state(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         grads = dict.fromkeys(grads, 0.0)
     groups = [[math.prod(_local_shape(s, world)) for s in g] for g in shapes.groups]
     stored = sum(numel * shapes.packed.get(n, param_bytes) for n, numel in local.items())
+    # A 4-bit weight's scales are tensors beside it, not parameters: the CUDA allocator holds them,
+    # MemTracker (a CPU row's peak) never sees them.
+    if device == "cuda":
+        stored += sum(t.peft.quant_state_bytes(2 * local[n]) for n in shapes.packed)
     sizes = Sizes(params=0.0 if offloaded else stored, grads=grads, states=states,
                   step_temp=0.0 if states == 0 else t.optimizer.step_temp_bytes(groups, param_bytes, device),
                   other=(sum(shapes.param_numels[n] for n in trains) * param_bytes if p.ddp_buckets else 0.0)
@@ -290,6 +294,10 @@ def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
     # head's rows, which model.pad_vocab_to=64 aligns already
     sizes.pad_head = sizes.compiled and shapes.padded_vocab % (8 if sizes.compute_bytes == 2 else 4) != 0
     sizes.op_temps = device == "cuda"
+    if sizes.op_temps and shapes.packed:  # a 4-bit weight dequantised for each matmul, inside the op
+        widest = max(math.prod(shapes.param_shapes[n]) * 2 for n in shapes.packed)  # two weights a byte
+        sizes.forward_temp += widest * sizes.compute_bytes
+        sizes.inner_temp += widest * sizes.compute_bytes
     return t, shapes, sizes
 
 

@@ -66,7 +66,7 @@ class LoRA(Full):
 
     @property
     def label(self) -> str:
-        name = f"{type(self).__name__} r={self.r}"
+        name = f"{type(self).__name__} r={self.r}" + (f" alpha={self.alpha:g}" if self.alpha != 2 * self.r else "")
         return name if self.targets == "all" else f"{name} ({self.targets})"
 
     use_dora = False
