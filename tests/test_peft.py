@@ -42,10 +42,10 @@ def test_the_prediction_is_within_2_percent_of_memtracker(family, peft, checkpoi
             check_config(spec, "cpu")
         return
     real = measured(overrides, base=base)
-    if peft == "dora" and precision == "bf16":  # the analytic model says it has none; the trace follows the step
-        with pytest.raises(Unmodelled, match="DoRA under autocast"):
+    if peft == "dora" and (precision == "bf16" or family == "gpt2"):  # the analytic model says it has none
+        with pytest.raises(Unmodelled, match="DoRA"):
             analytic(spec)
-        pred = predict(spec, "trace")
+        pred = predict(spec, "trace")  # which follows the real step
     else:
         pred = analytic(spec)
         assert pred.category_max_mib["params"] * MIB == real.category_max["params"] * MIB
@@ -90,6 +90,19 @@ def test_an_adapted_models_first_loss_is_the_base_models(peft):
     exactly what the base model does until the first step."""
     batch = _batch()
     assert _first_loss(["peft=none"], batch) == _first_loss([f"peft={peft}"], batch)
+
+
+def test_adapters_wrap_the_weights_init_from_loads(tmp_path):
+    """Fine-tuning starts from real weights: model.init_from's are loaded before the adapters wrap
+    the Linears, so the adapted model gives the saved model's logits."""
+    from tests.test_init_from import save_toy, toy_overrides
+
+    theirs = save_toy("llama3.2-1b", tmp_path)
+    model = _built([*toy_overrides("llama3.2-1b", tmp_path), "peft=lora"]).eval()
+    assert any(".lora_A." in n for n, _ in model.named_parameters())
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[0], theirs(input_ids=x).logits)
 
 
 def test_merged_adapters_give_the_logits_of_the_unmerged_model():
@@ -190,3 +203,22 @@ def _trained(overrides: list[str], steps: int = 5):
     batch = _batch()
     losses = [train_step(model, optimizer, scaler, t, batch, torch.device("cpu")).item() for _ in range(steps)]
     return model, t, losses
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_train_the_adapters_as_one_process_with_the_global_batch(tmp_path):
+    """Two gloo ranks of 8 samples each against one process of 16 (SGD: the same math in another
+    reduction order stays within float noise): LoRA and QLoRA under DDP, LoRA under FSDP2."""
+    from tests.helpers import results_under, run_cli
+
+    losses = {}
+    for name, args in {"single": ["peft=lora,qlora", "batch_size=16"],
+                       "ddp": ["peft=lora,qlora", "parallel=ddp", "batch_size=8"],
+                       "fsdp": ["peft=lora", "parallel=fsdp", "batch_size=8"]}.items():
+        proc = run_cli(["-m", *args, "optimizer=sgd", f"hydra.sweep.dir={tmp_path}/{name}"], tmp_path / name)
+        assert proc.returncode == 0, proc.stderr
+        for r in results_under(tmp_path / name):
+            assert r["status"] == "ok", r["reason"]
+            losses[(r["choices"]["parallel"], r["choices"]["peft"])] = r["metrics"]["losses"]
+    for parallel, peft in (("ddp", "lora"), ("ddp", "qlora"), ("fsdp", "lora")):
+        assert losses[(parallel, peft)] == pytest.approx(losses[("single", peft)], abs=1e-5), (parallel, peft)
