@@ -27,13 +27,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ablate.build import Techniques, change_params
+from ablate.build import Techniques
+from ablate.models import param_change
 from ablate.predict import Prediction
 from ablate.predict.layers import (Arch, Training, arch_of, forward_temp, inner_temp, layer_saves, math_sdpa,
                                    mlp_saves, recompute_grads, unfed)
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
-from ablate.techniques import Option
 
 MIB = 2**20
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -98,7 +98,7 @@ def _shapes_of(spec: RunSpec, t: Techniques) -> Shapes:
     # the meta device, in the whole model's order, so the cost is linear in the layers (building all
     # of them took ~2 ms each: 20 s at 10,000), and nothing is allocated.
     # The model as the techniques leave it (frozen or added parameters), as the build makes it.
-    change = _param_change(t)
+    change = param_change(t)
     layout, a = t.model.layout_with(change), t.model.adapter
     shapes = layout.shapes  # a tied weight once, under its first name
     inner = tuple(f"{layout.prefix}0.{part}." for part in (a.attention, a.mlp))
@@ -123,14 +123,6 @@ def _packed(layout) -> dict:
 
     seen = {rest(n): p.element_size() for n, p in layout.model.named_parameters() if not p.is_floating_point()}
     return {n: seen[rest(n)] for n in layout.shapes if rest(n) in seen} if seen else {}
-
-
-def _param_change(t: Techniques):
-    """The techniques' change of the parameters (ablate/build.py change_params); None where no
-    option changes any, so the family's own layout, read once, serves."""
-    if all(type(o).change_params is Option.change_params for o in t.options().values()):
-        return None
-    return change_params(t)
 
 
 def _local_shape(shape: tuple, world: int) -> tuple:
