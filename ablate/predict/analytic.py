@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from ablate.build import Techniques
 from ablate.models import param_change
 from ablate.predict import Prediction
-from ablate.predict.layers import (Arch, Training, arch_of, forward_temp, inner_temp, layer_saves, math_sdpa,
-                                   mlp_saves, recompute_grads, unfed)
+from ablate.predict.adapters import Training, recompute_grads, unfed
+from ablate.predict.layers import (Arch, arch_of, attention_saves, forward_temp, inner_temp, layer_saves, math_sdpa,
+                                   mlp_saves)
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 
@@ -216,7 +217,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, seq, tr) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient
         saved, full = sizes.blocks[0]
-        dead = unfed(a, sb, r, c, ln, tr)
+        dead = unfed(a, sb, r, c, ln, tr, attention_saves(a, sb, r, c, ln))
         # kept (not recomputed): not even the input itself, which nothing before an adapter keeps
         sizes.blocks[0] = (max(saved - dead - shapes.sbh * r, 0.0) if saved else 0.0, full - dead)
     # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).

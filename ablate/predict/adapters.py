@@ -1,0 +1,184 @@
+"""What adapters (ablate/techniques/peft.py, peft's LoRA layers) change in what a decoder layer keeps
+for backward, against the fully trained layer of ablate/predict/layers.py, and the tensors they
+make and drop on the way. Notation as there: `sb` tokens, `r`, `c` and `ln` bytes per element.
+
+A frozen Linear keeps its weight for its input's gradient, never its input; an adapted one's branch
+keeps that input for A's gradient (the very tensor, unless each branch makes a copy of its own: its
+dropout's, or under autocast, where peft casts the input to the adapter's fp32 and autocast casts it
+back, so each branch keeps its own 16-bit copy), the dropout's mask (1 byte), and the (tokens,
+rank) product for B's. A frozen norm weight's multiply keeps nothing. Measured against MemTracker
+on CPU: benchmarks/results/cpu/peft_predict.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ablate.techniques import Unmodelled
+
+if TYPE_CHECKING:
+    from ablate.predict.layers import Arch
+
+
+@dataclass(frozen=True)
+class Training:
+    """What of one decoder layer trains (the peft option's answer, ablate/techniques/peft.py): its
+    attention's and MLP's linear layers "full" (their weights), "adapter" (frozen, a LoRA branch of
+    rank `rank` beside each) or "frozen"; whether the norms' weights train; whether its input
+    needs a gradient (not in layer 0 over a frozen embedding: nothing before the first adapter
+    keeps anything for backward); `dropout` on the adapters' input."""
+
+    attn: str = "full"
+    mlp: str = "full"
+    norms: bool = True
+    input_grad: bool = True
+    rank: int = 0
+    dropout: bool = False
+    dora: bool = False  # DoRA's magnitude beside each adapter
+
+    @property
+    def full(self) -> bool:
+        return self == Training(input_grad=self.input_grad) and self.input_grad
+
+
+FULL = Training()
+
+
+def change(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
+    """Bytes by part ("attn", "mlp", "norm", "matmul") a layer that trains as `tr` says keeps beyond
+    the fully trained layer's; Unmodelled for a layout without a model here."""
+    if a.kind not in _TRAINED or a.experts or a.qk_norm:
+        raise Unmodelled(f"no analytic memory model for adapters on a {a.kind} layer"
+                         f"{' of experts' if a.experts else ''}{' with q/k norms' if a.qk_norm else ''}")
+    if tr.dora and a.kind == "gpt2":  # measured 2-6% apart on CPU, moving with the collector's timing
+        raise Unmodelled("no analytic memory model for DoRA on GPT-2's biased Linears (the output less its "
+                         "bias is one more tensor per Linear)")
+    if tr.dora and r != c:
+        raise Unmodelled("no analytic memory model for DoRA under autocast (its fp32 magnitude turns each adapted "
+                         "Linear's output fp32, which the layers after it take in that dtype)")
+    return _TRAINED[a.kind](a, sb, r, c, tr)
+
+
+def forward_temp(a: Arch, sb: int, r: int, c: int, tr: Training) -> float:
+    """Made and dropped inside an adapted layer's forward (bytes): the adapters' own (`adapter_temp`)
+    and DoRA's (`dora_temp`)."""
+    return max(adapter_temp(a, sb, r, c) if tr.mlp == "adapter" else 0.0, dora_temp(a, sb, c, tr) if tr.dora else 0.0)
+
+
+def dora_inner_temp(a: Arch, sb: int, c: int) -> float:
+    """The MLP's widest tensors in an adapted Llama layer's backward under DoRA: down_proj's DoRA
+    outputs are freed before gate's and up's gradients exist; its own backward holds three (tokens,
+    hidden) gradients with them alive."""
+    return max(2 * sb * a.inter * c - 2 * sb * a.hidden * c, 3 * sb * a.hidden * c)
+
+
+def dora_temp(a: Arch, sb: int, c: int, tr: Training) -> float:
+    """Made and dropped in forward by DoRA (peft's DoraLinearLayer) on a Llama layer, beyond what the
+    layer keeps once done: the larger of
+    - its weight norm, taken per adapted Linear from the adapter's dense update B·A (an (in, in)
+      identity run through the branch), the base weight, the update scaled and their sum, all
+      (out, in);
+    - at up_proj, the magnitude's three elementwise terms over its (tokens, inter) output, alive at
+      their sum, less what the MLP still makes after it (its output, the product's, down_proj's
+      two DoRA outputs)."""
+    q, h = a.heads * a.head_dim, a.hidden
+    linears = {"attn": [(h, q), (q, h)], "mlp": [(h, a.inter), (a.inter, h)]}
+    norm = max((n_in * n_in + 3 * n_in * n_out) * c for part in ("attn", "mlp") if getattr(tr, part) == "adapter"
+               for n_in, n_out in linears[part])
+    return max(norm, (a.inter - 2 * h) * sb * c) if tr.mlp == "adapter" else norm
+
+
+def adapter_temp(a: Arch, sb: int, r: int, c: int) -> float:
+    """Made and dropped while the MLP's last Linear runs its adapter: the base Linear's output,
+    alive until the branch's is added to it; under autocast also peft's fp32 copy of the Linear's
+    input for the fp32 adapter, the input itself beside that copy and the adapter's cast of it,
+    and the MLP's own input, the second norm's fp32 output, held by the layer while its MLP runs."""
+    sbh, widest = sb * a.hidden, sb * (4 * a.hidden if a.kind == "gpt2" else a.inter)
+    if r == c:
+        return sbh * c
+    return widest * (4 + c) + sbh * (c + 4)
+
+
+def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL) -> float:
+    """Gradients alive when a recomputed layer is run again (bytes): with an adapter on the MLP's
+    last Linear, its first saved tensor is asked for only after its output's gradient was scaled
+    for the branch (and, under autocast, cast to the compute dtype first)."""
+    if tr.mlp != "adapter" or tr.dora:  # DoRA's last multiply asks for the base's saved output at once
+        return 0.0
+    return sb * a.hidden * c * (2 if r != c else 1)
+
+
+def _branches(tr: Training, sb: int, c: int, inputs: list[tuple], copies: bool) -> float:
+    """Bytes the adapted Linears reading `inputs` keep beyond what full training kept of those
+    inputs. Each input as (its elements, the Linears reading it, the bytes full training kept of
+    it, or -1 where something else keeps it anyway, the Linears' summed output width): each
+    Linear's (tokens, rank) product, and under DoRA the base's and the branch's outputs, which the
+    magnitude's gradient needs."""
+    kept, linears, width = 0.0, 0, 0
+    for numel, n, before, outs in inputs:
+        linears, width = linears + n, width + outs
+        if copies:  # each branch its own copy (and dropout mask); else the input itself, as before
+            kept += n * numel * (c + (1 if tr.dropout else 0)) - max(before, 0)
+    return kept + linears * sb * tr.rank * c + (2 * sb * width * c if tr.dora else 0)
+
+
+def _frozen(inputs: list[tuple]) -> float:
+    """Bytes a frozen, unadapted part no longer keeps of its inputs."""
+    return -sum(max(before, 0) for _, _, before, _ in inputs)
+
+
+def _llama_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
+    """Llama's change by part. Inputs of the attention's Linears: ln_1's output (q, k, v; kept once,
+    or as three autocast casts), SDPA's output (o; SDPA keeps it anyway); of the MLP's: ln_2's
+    output (gate, up; once, or two casts), the SwiGLU product (down; kept for it alone). Frozen
+    RMSNorm weights drop each norm's normalised input (r)."""
+    sbh, q, inter = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.inter
+    autocast = r != c
+    copies = autocast or tr.dropout
+    attn_in = [(sbh, 3, (3 if autocast else 1) * sbh * c, (a.heads + 2 * a.kv_heads) * a.head_dim), (q, 1, -1, a.hidden)]
+    mlp_in = [(sbh, 2, (2 if autocast else 1) * sbh * c, 2 * a.inter), (inter, 1, inter * c, a.hidden)]
+    change = {"norm": 0.0 if tr.norms else -2 * sbh * r}
+    for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
+        mode = getattr(tr, part)
+        change[part] = (_branches(tr, sb, c, inputs, copies) if mode == "adapter"
+                        else _frozen(inputs) if mode == "frozen" else 0.0)
+    change["matmul"] = 0.0
+    return change
+
+
+def _gpt2_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
+    """ablate's GPT-2 by part. Inputs: ln_1's output (c_attn), SDPA's output (attention's c_proj;
+    SDPA keeps it anyway), ln_2's output (c_fc), GELU's output (the MLP's c_proj), each read by one
+    Linear. LayerNorm keeps its input and statistics whether its weight trains or not."""
+    sbh = sb * a.hidden
+    h = a.hidden
+    attn_in = [(sbh, 1, sbh * c, 3 * h), (sbh, 1, -1, h)]
+    mlp_in = [(sbh, 1, sbh * c, 4 * h), (4 * sbh, 1, 4 * sbh * c, h)]
+    change = {}
+    for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
+        mode = getattr(tr, part)
+        change[part] = (_branches(tr, sb, c, inputs, r != c or tr.dropout) if mode == "adapter"
+                        else _frozen(inputs) if mode == "frozen" else 0.0)
+    return change
+
+
+_TRAINED = {"llama": _llama_trained, "gpt2": _gpt2_trained}
+
+
+def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float) -> float:
+    """Bytes layer 0 keeps in full training that it does not when its input needs no gradient (a
+    frozen embedding), beyond its input itself: its first norm's copy of the input and statistics,
+    under autocast the casts of the weights that input meets before an adapter (a frozen Linear
+    keeps its weight only for an input that needs a gradient), and where the attention is frozen,
+    all it (`attn`: what the fully trained attention keeps) and the second norm keep."""
+    sbh, w = sb * a.hidden, a.hidden * a.heads * a.head_dim  # a (h, h) projection's elements (q, o)
+    autocast = r != c
+    if a.kind == "llama":
+        norm, qkv = sbh * (4 - r) + sb * 4, w + 2 * a.hidden * a.kv_heads * a.head_dim
+    else:  # gpt2: LayerNorm keeps its input (a copy when ln != r), mean and rstd
+        norm, qkv = sbh * (ln - r) + 2 * sb * 4, 3 * w
+    dead = norm + (qkv * c if autocast else 0)
+    if tr.attn == "frozen":  # nothing in the attention needs a gradient: the MLP's adapters are the first
+        ln_2 = sbh * 4 + sb * 4 if a.kind == "llama" else sbh * ln + 2 * sb * 4
+        dead += attn + ln_2 + ((w + 2 * a.hidden * a.inter) * c if autocast else 0)
+    return dead
