@@ -251,7 +251,7 @@ def _training(t: Techniques) -> Training:
     """What of each decoder layer trains, as the peft option says."""
     p = t.peft
     return Training(attn=p.trains("attention"), mlp=p.trains("mlp"), norms=not p.freezes_base, rank=p.r,
-                    dropout=bool(p.dropout), dora=getattr(p, "use_dora", False))
+                    dropout=bool(p.dropout), dora=p.use_dora)
 
 
 def _fp8_weights(t: Techniques) -> int:

@@ -37,11 +37,12 @@ class Full(Option):
     label = "Full fine-tune"
     freezes_base = False  # base weights, norms, embeddings and head train
     r, dropout, train_embeddings = 0, 0.0, True
+    use_dora = False  # a trained magnitude beside each adapter (DoRA)
 
     def trains(self, part: str) -> str:
         """How a decoder layer's linear layers in `part` ("attention", "mlp") train: "full" (their
         weights), "adapter" (frozen, an adapter beside each) or "frozen": the analytic predictor's
-        question (ablate/predict/layers.py Training)."""
+        question (ablate/predict/adapters.py Training)."""
         return "full"
 
     def quant_state_bytes(self, numel: int) -> float:
@@ -68,9 +69,6 @@ class LoRA(Full):
     def label(self) -> str:
         name = f"{type(self).__name__} r={self.r}" + (f" alpha={self.alpha:g}" if self.alpha != 2 * self.r else "")
         return name if self.targets == "all" else f"{name} ({self.targets})"
-
-    use_dora = False
-    quantises = False
 
     def check(self, plan: Plan) -> None:
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
@@ -137,8 +135,6 @@ class QLoRA(LoRA):
     16-bit base's bytes (0.5 B per weight plus about 0.13 bit of scales). Spends: the dequantised
     weight alive during each matmul, and the dequantisation's time. The embeddings and head stay
     in the precision option's dtype."""
-
-    quantises = True
 
     def check(self, plan: Plan) -> None:
         super().check(plan)
