@@ -149,6 +149,15 @@ def test_combinations_adapters_cannot_run_are_refused_naming_the_key(overrides, 
         check_config(compose_spec([*TINY["gpt2"], *BASE, *overrides]), "cpu")
 
 
+def test_adapters_without_peft_installed_are_an_invalid_row_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find(name, *a))
+    with pytest.raises(Invalid, match=r"peft=qlora needs Hugging Face peft: pip install -e '\.\[hf\]'"):
+        check_config(compose_spec([*TINY["gpt2"], *BASE, "peft=qlora"]), "cpu")
+
+
 @pytest.mark.parametrize("loss", ["chunked", "fused"])
 def test_a_frozen_head_gets_no_gradient_buffer_from_the_chunked_losses(loss):
     """The chunked and fused losses make the head's gradient themselves: with the head frozen, no

@@ -12,6 +12,7 @@ on CUDA (the measurements); torchao's NF4 tensor has no peft layer.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 
@@ -71,6 +72,9 @@ class LoRA(Full):
         return name if self.targets == "all" else f"{name} ({self.targets})"
 
     def check(self, plan: Plan) -> None:
+        if importlib.util.find_spec("peft") is None:  # looked up, not imported: the job checks too
+            raise Invalid(f"peft={type(self).__name__.lower()} needs Hugging Face peft: pip install -e '.[hf]' "
+                          f"in ablate's repository")
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
             raise Invalid(f"peft.r={self.r!r} must be a positive integer (the adapters' rank)")
         if self.targets not in TARGETS:
