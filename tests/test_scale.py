@@ -24,7 +24,13 @@ from hydra import compose, initialize_config_dir
 from ablate.results import PRUNED
 from tests.helpers import CONF, results_under, run_cli, slow_except
 
-PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# Presets scale=cpu cannot stand for, with why.
+UNSCALED = {
+    # Adapters keep their rank while the width shrinks: at scale=cpu's width of 64, LoRA's rank 64 is
+    # the size of the model it adapts, and LoRA costs memory where on Llama 8B it saves 42%.
+    "fit_llama_8b",
+}
+PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml") if p.stem not in UNSCALED)
 # A change under 2% of the baseline's peak has no direction. MemTracker's peaks are byte counts of
 # live tensors, the same in every run of a point (tf32 and in_backward equal the baseline to the
 # byte), so this is not run-to-run noise: it is the predictor's own error on the GPU side (up to
