@@ -24,21 +24,15 @@ if TYPE_CHECKING:
 class Training:
     """What of one decoder layer trains (the peft option's answer, ablate/techniques/peft.py): its
     attention's and MLP's linear layers "full" (their weights), "adapter" (frozen, a LoRA branch of
-    rank `rank` beside each) or "frozen"; whether the norms' weights train; whether its input
-    needs a gradient (not in layer 0 over a frozen embedding: nothing before the first adapter
-    keeps anything for backward); `dropout` on the adapters' input."""
+    rank `rank` beside each) or "frozen"; whether the norms' weights train; `dropout` on the
+    adapters' input. (Layer 0 over a frozen embedding keeps less again: `unfed`.)"""
 
     attn: str = "full"
     mlp: str = "full"
     norms: bool = True
-    input_grad: bool = True
     rank: int = 0
     dropout: bool = False
     dora: bool = False  # DoRA's magnitude beside each adapter
-
-    @property
-    def full(self) -> bool:
-        return self == Training(input_grad=self.input_grad) and self.input_grad
 
 
 FULL = Training()
