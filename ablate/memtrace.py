@@ -3,6 +3,7 @@ where the memory went per module. Sizes are MiB (2**20 bytes). ablate.measure re
 """
 from __future__ import annotations
 
+import gc
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -99,6 +100,16 @@ class _CategoryTracker(MemTracker):
     def _pre_fw_hook(self, module, inputs) -> None:
         super()._pre_fw_hook(module, inputs)
         self._enter_window(module)
+
+    def _post_fw_hook(self, module, inputs, outputs) -> None:
+        super()._post_fw_hook(module, inputs, outputs)
+        # ModTracker hooks each module's inputs with torch's register_multi_grad_hook, whose "all"
+        # mode keeps the hooked grad_fn in its own closure: a reference cycle. A graph no backward
+        # reaches (DoRA's weight norm, lora_B(lora_A(eye)), detached) then outlives the module that
+        # made it until Python's collector runs, which an untraced step never waits for. Collecting
+        # as each module returns frees it where refcounting would; the objects alive before the
+        # step are frozen, so each collection walks only the step's own.
+        gc.collect()
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
         # MemTracker hooks every parameter's gradient, and torch refuses a hook on a parameter that
@@ -219,9 +230,12 @@ def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
             # With optimizer.in_backward the gradient is freed by our hook before MemTracker's own
             # post-accumulate hook looks at it; it warns and carries on, with the breakdown intact.
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            gc.collect()
+            gc.freeze()  # see _post_fw_hook
             step()
             after = tracker.get_tracker_snapshot()
     finally:
+        gc.unfreeze()
         hook.remove()
     tracker.finish()
     peak = tracker.get_tracker_snapshot("peak")
