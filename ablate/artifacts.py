@@ -19,23 +19,14 @@ from pathlib import Path
 import torch
 
 from ablate.measure import _CATEGORY, BREAKDOWN_KEYS, MIB, Trace
+from ablate.models.layout import bare_name
 from ablate.results import ARTIFACTS
 
 MODULE_COLUMNS = ("module", "depth", "fwd_peak_mib", "bwd_peak_mib", "at_peak_mib",
                   *(f"at_peak_{k}_mib" for k in BREAKDOWN_KEYS))
-# Wrapper modules that only hold the real one (checkpoint, compile, FSDP1): left out of a name, so
-# `transformer.h.0` names the block with or without them. DDP's `module.` prefix goes too.
-_WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 # Allocator events kept (a ring buffer: the newest win). A GPT-2-class step allocates and frees a
 # few times per op: 100k covers a gpt2-xl step (~50k ops), a file of tens of MB.
 HISTORY_ENTRIES = 100_000
-
-
-def _clean_name(name: str, model: torch.nn.Module) -> str:
-    parts = [p for p in name.split(".") if p and p not in _WRAPPERS]
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and parts[:1] == ["module"]:
-        parts = parts[1:]
-    return ".".join(parts)
 
 
 def _inclusive(held: dict, root: str) -> dict[str, dict[str, float]]:
@@ -65,7 +56,7 @@ def module_rows(trace: Trace, model: torch.nn.Module) -> list[dict]:
     root = type(model).__name__  # ModTracker names the root by its class, the rest by their path
     inclusive, rows, seen = _inclusive(trace.held, root), [], set()
     for name, _ in model.named_modules():
-        clean = _clean_name(name, model)
+        clean = bare_name(name, model)
         if clean in seen:
             continue  # a wrapper's inner module: the wrapper's row (outermost) stands for it
         seen.add(clean)

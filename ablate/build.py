@@ -24,6 +24,7 @@ class Techniques:
             raise TypeError(f"Techniques takes one option per technique group {TECHNIQUE_GROUPS}; missing {missing}")
         self.model = model
         for group, option in options.items():
+            option.family = model  # where its layers are, for an option that treats them apart (Muon)
             setattr(self, group, option)
 
     @classmethod

@@ -17,6 +17,19 @@ if TYPE_CHECKING:
     from ablate.models import Adapter, Family
 
 
+# Wrapper modules that only hold the real one (checkpoint, compile, FSDP1): left out of a name, so
+# `transformer.h.0` names the block with or without them. DDP's `module.` prefix goes too.
+WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def bare_name(name: str, model: nn.Module) -> str:
+    """A parameter's or module's name in `model` as the bare model names it (the layout's names)."""
+    parts = [p for p in name.split(".") if p and p not in WRAPPERS]
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and parts[:1] == ["module"]:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
 def logical_numel(p: torch.Tensor) -> int:
     """The elements a parameter stands for: its own, except a 4-bit quantised weight's (bitsandbytes'
     Params4bit packs two weights per byte and keeps the original shape in its `quant_state`), which

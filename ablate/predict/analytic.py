@@ -157,7 +157,7 @@ def _model_state(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     offloaded = t.offload.params_on_host and device != "cpu"
     # The optimizer option's own model of its states (ablate/techniques/optimizer.py, lowbit.py), for
     # each tensor's local shape: torch keeps a DTensor parameter's states in its shard's shape.
-    states = sum(t.optimizer.state_bytes(_local_shape(shapes.param_shapes[n], world), param_bytes, device)
+    states = sum(t.optimizer.state_bytes(_local_shape(shapes.param_shapes[n], world), param_bytes, device, n)
                  for n in trains)
     states += t.optimizer.shared_state_bytes(max([local[n] for n in trains] or [0]))
     if offloaded or t.offload.states_on_host:

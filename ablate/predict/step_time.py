@@ -157,7 +157,7 @@ def work_of(spec) -> Work:
 def _state_bytes(t, shapes) -> float:
     """The optimizer's states in the host's memory (where an offloaded step keeps them)."""
     p = BYTES[t.precision.param_dtype]
-    return sum(t.optimizer.state_bytes(shape, p, "cpu") for name, shape in shapes.param_shapes.items()
+    return sum(t.optimizer.state_bytes(shape, p, "cpu", name) for name, shape in shapes.param_shapes.items()
                if name not in shapes.frozen)
 
 

@@ -52,6 +52,10 @@ class Option:
     # analytic predictor reads off its meta model: then its group needs no memory model of its own.
     memory_in_params = False
 
+    # The model family (ablate/models/), set by ablate.build.Techniques: its adapter says where the
+    # layers, embedding and head are. None for an option made on its own.
+    family = None
+
     def check(self, plan: Plan) -> None:
         """Raise Invalid with a reason naming the key if this option cannot run under `plan`."""
 

@@ -63,7 +63,7 @@ class LowBitAdamW(TorchOptimizer):
         other keeps zeros_like(param) states."""
         return numel >= 4096 and numel % self.block_size == 0
 
-    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
         """torchao/optim/adam.py: `step` is a host fp32 tensor even on CUDA; a quantised state is its
         codes, fp32 scales of numel // block_size, and for the integer formats its own fp32 qmap."""
         numel, step = math.prod(shape), 4 if device == "cpu" else 0

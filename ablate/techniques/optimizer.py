@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from ablate.models.layout import bare_name
 from ablate.techniques import Invalid, Option, Plan, Unmodelled
 
 
@@ -32,23 +33,35 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-class InBackward(torch.optim.Optimizer):
+class Composite(torch.optim.Optimizer):
+    """Several optimizers the train loop holds as one (Muon for the layers' matrices beside AdamW
+    for the rest). `state` and `param_groups` are theirs (shared, live), so MemTracker labels
+    every state "optimizer", GradScaler unscales every gradient and an lr change reaches them all."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.optimizers = optimizers
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+        for o in optimizers:
+            o.state = self.state  # one dict keyed by parameter: the union of all their states
+
+    def step(self, closure=None) -> None:
+        for o in self.optimizers:
+            o.step()
+
+
+class InBackward(Composite):
     """What the train loop holds when every parameter is stepped inside backward.
 
     One optimizer per parameter steps from a post-accumulate-grad hook, then drops that gradient
     (p.grad = None). Saves: the full set of gradients (4 bytes/param in fp32): at most the
     gradients of the parameters still in flight are alive. Spends: one small step per tensor.
-    step() has nothing left to do, so GradScaler(enabled=False).step(opt) and step hooks still
-    work; `state` and `param_groups` are the per-parameter optimizers' own (shared, live), so
-    MemTracker labels the states "optimizer" and an lr change reaches them.
+    step() has nothing left to do, so GradScaler(enabled=False).step(opt) and step hooks still work.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], hooks: list):
-        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
-        self.optimizers, self.hooks = optimizers, hooks
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
-        for o in optimizers:
-            o.state = self.state  # one dict keyed by parameter: the union of all their states
+        super().__init__(optimizers)
+        self.hooks = hooks
 
     def step(self, closure=None) -> None:
         """Every parameter was already stepped in backward."""
@@ -88,6 +101,23 @@ class TorchOptimizer(Option, abc.ABC):
     def param_groups(self, model: nn.Module) -> list[dict]:
         return param_groups(model, self.weight_decay)  # the module function above
 
+    def in_layers(self, name: str, shape: tuple) -> bool:
+        """Whether a parameter is a matrix of the decoder's repeated layers (`name`: the bare model's,
+        as the layout and `bare_name` give it): what Muon orthogonalises and GaLore and APOLLO
+        project, while the embeddings, head, norms and biases take AdamW's step."""
+        if self.family is None:
+            raise RuntimeError(f"optimizer={self.name} needs the model family (set by ablate.build.Techniques)")
+        return len(shape) == 2 and name.startswith(self.family.adapter.layers + ".")
+
+    def layer_matrices(self, model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(the layers' matrices, the other trainable parameters) of `model`, bare or wrapped, each in
+        the model's order."""
+        matrices, rest = [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                (matrices if self.in_layers(bare_name(name, model), tuple(p.shape)) else rest).append(p)
+        return matrices, rest
+
     def make(self, groups: list[dict]) -> torch.optim.Optimizer:
         return self.optimizer_class()(groups, **self.optimizer_kwargs())
 
@@ -121,11 +151,11 @@ class TorchOptimizer(Option, abc.ABC):
 
     # The analytic predictor's questions (ablate/predict/analytic.py), in bytes. `shape` is one
     # parameter tensor's (its shard's under FSDP: torch keeps a DTensor's states in its local
-    # shape), `d` the bytes of the parameters' dtype, `groups` each parameter group's tensor sizes
+    # shape), `name` its name in the bare model (the layout's), `d` the bytes of the parameters' dtype, `groups` each parameter group's tensor sizes
     # (elements) in the order the step visits them, `device` "cpu" or "cuda".
     reads_values = False  # its step reads tensor values (.item()), which the fake-tensor trace must answer
 
-    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
         """Optimizer state kept on the device for one parameter tensor."""
         raise Unmodelled(f"no memory model for optimizer option {type(self).__name__}")
 
@@ -210,7 +240,7 @@ class AdamW(TorchOptimizer):
                 raise Invalid("precision.stochastic_rounding=true needs torchao: pip install torchao")
         self._round_stochastically = plan.stochastic_rounding
 
-    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
         return 2 * math.prod(shape) * d + host_step_bytes(device, self.implementation == "fused")
 
     def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
@@ -243,7 +273,7 @@ class SGD(TorchOptimizer):
         super().__init__(lr, weight_decay, in_backward)
         self.momentum = momentum
 
-    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
         return math.prod(shape) * d if self.momentum else 0
 
     def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
@@ -283,7 +313,7 @@ class Adafactor(TorchOptimizer):
 
     reads_values = True
 
-    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
         if len(shape) < 2:
             return math.prod(shape) * d + host_step_bytes(device)
         rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
@@ -320,7 +350,7 @@ class AdamW8bit(TorchOptimizer):
 
     reads_values = True
 
-    def state_bytes(self, shape: tuple, d: int, device: str) -> float:
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
         numel = math.prod(shape)
         if numel < self.min_8bit_size:
             return 2 * numel * 4  # small tensors keep fp32 states
