@@ -50,7 +50,7 @@ def plan_of(spec: RunSpec, device: str, t: Techniques) -> Plan:
                 stochastic_rounding=t.precision.stochastic_rounding,
                 sharded=t.parallel.shards_params or t.offload.shards_params,
                 in_backward=t.optimizer.in_backward, chunked_loss=t.loss.from_hidden, frozen_base=t.peft.freezes_base,
-                autocast=t.precision.autocast_dtype is not None)
+                autocast=t.precision.autocast_dtype is not None, states_on_host=t.offload.states_on_host)
 
 
 def check_config(spec: RunSpec, device: str | None = None) -> Techniques:

@@ -37,6 +37,7 @@ class Plan:
     chunked_loss: bool = False  # the loss option takes the model's hidden states and head (not its logits)
     frozen_base: bool = False  # the base weights train not: adapters beside them do (peft)
     autocast: bool = False  # the precision option computes under autocast (its parameters stay fp32)
+    states_on_host: bool = False  # offload=optimizer: torchao's CPUOffloadOptimizer builds the optimizer
 
 
 class Option:
