@@ -55,7 +55,7 @@ class Shapes:
     arch: Arch  # the family's sizes (ablate/predict/layers.py)
     param_numels: dict  # parameter name -> elements (a tied LM head counted once, as the embedding)
     param_shapes: dict  # parameter name -> shape
-    groups: list  # the optimizer's parameter groups: parameter shapes in the order it steps them
+    groups: list  # the optimizer's parameter groups: parameter names in the order it steps them
     layer_names: list  # per layer, its parameter names
     embedding: str  # the token embedding's weight
     lm_head: str | None  # the LM head's weight when untied, else None
@@ -105,7 +105,7 @@ def _shapes_of(spec: RunSpec, t: Techniques) -> Shapes:
     inner = tuple(f"{layout.prefix}0.{part}." for part in (a.attention, a.mlp))
     # A mixture of experts' weights multiply in their own dtype (grouped_mm is no autocast op): never cast.
     experts = layout.expert_names(a)
-    groups = [[shapes[n] for n in g] for g in t.model.param_groups(t.optimizer.param_groups, change)]
+    groups = t.model.param_groups(t.optimizer.param_groups, change)
     lm_head = f"{a.lm_head}.weight"
     return Shapes(b=spec.batch_size // t.accumulation.steps, s=spec.seq_len, arch=arch,
                   param_numels={n: math.prod(s) for n, s in shapes.items()}, param_shapes=shapes, groups=groups,
@@ -165,14 +165,18 @@ def _model_state(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     grads = {n: 0.0 if n in shapes.frozen else numel * _grad_bytes(t) for n, numel in shapes.param_numels.items()}
     if t.offload.grads_on_host:
         grads = dict.fromkeys(grads, 0.0)
-    groups = [[math.prod(_local_shape(s, world)) for s in g] for g in shapes.groups]
+    groups = [[_local_shape(shapes.param_shapes[n], world) for n in g] for g in shapes.groups]
     stored = sum(numel * shapes.packed.get(n, param_bytes) for n, numel in local.items())
     # A 4-bit weight's scales are tensors beside it, not parameters: the CUDA allocator holds them,
     # MemTracker (a CPU row's peak) never sees them.
     if device == "cuda":
         stored += sum(t.peft.quant_state_bytes(2 * local[n]) for n in shapes.packed)
-    sizes = Sizes(params=0.0 if offloaded else stored, grads=grads, states=states,
-                  step_temp=0.0 if states == 0 else t.optimizer.step_temp_bytes(groups, param_bytes, device),
+    # In backward each tensor is stepped alone, by an optimizer made of its group with it alone in it.
+    each = {} if states == 0 or not t.optimizer.in_backward else {
+        n: t.optimizer.step_temp([[shape] if j == i else [] for j in range(len(groups))], param_bytes, device)
+        for i, (names, group) in enumerate(zip(shapes.groups, groups)) for n, shape in zip(names, group)}
+    sizes = Sizes(params=0.0 if offloaded else stored, grads=grads, states=states, step_temp_each=each,
+                  step_temp=0.0 if states == 0 or each else t.optimizer.step_temp(groups, param_bytes, device),
                   other=(sum(shapes.param_numels[n] for n in trains) * param_bytes if p.ddp_buckets else 0.0)
                   + (CUBLAS_WORKSPACES if device == "cuda" else 0.0),
                   grads_in_buckets=p.grads_in_buckets)

@@ -90,7 +90,7 @@ class LossPlay:
         padded = (q + self.padding()) * c if self.padding() else 0
         tl.alloc("other", padded)
         tl.alloc("other", shapes.sbh * c)  # d ln_f out
-        self.grad(head) if shapes.lm_head else tl.alloc("other", head)
+        self.grad(head, shapes.lm_head) if shapes.lm_head else tl.alloc("other", head)
         tl.free("other", q * 4 + padded)
 
     def compiled_loss_backward(self, q: float, head: float) -> None:
@@ -117,7 +117,7 @@ class LossPlay:
         tl.free("activations", kept)
         tl.free("other", grads - padded)  # the padded one feeds the matmuls
         tl.alloc("other", shapes.sbh * c)  # d ln_f out
-        self.grad(head) if shapes.lm_head else tl.alloc("other", head)
+        self.grad(head, shapes.lm_head) if shapes.lm_head else tl.alloc("other", head)
         tl.free("other", padded)
 
     def chunked_backward(self, n: int, q: float, head: float) -> None:
@@ -140,4 +140,4 @@ class LossPlay:
         tl.free("other", sizes.lm_head_cast)
         if shapes.lm_head:
             tl.free("other", head)
-            self.grad(head)
+            self.grad(head, shapes.lm_head)

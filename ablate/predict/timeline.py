@@ -93,6 +93,7 @@ class Sizes:
     micro_steps: int = 1
     in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
     grads_in_buckets: bool = False  # DDP gradient_as_bucket_view: each gradient is copied into its bucket (`other`)
+    step_temp_each: dict = field(default_factory=dict)  # in backward: name -> that tensor's step temporaries
 
 
 class Step(LossPlay):
@@ -193,7 +194,7 @@ class Step(LossPlay):
                 tl.free("activations", early)
                 tl.alloc("activations", back)
             for n in self.block_names[i]:
-                self.grad(sizes.grads[n])
+                self.grad(sizes.grads[n], n)
             kept = keep(saved) + (self.sizes.block_cast if self.keeps_cast(saved) else 0) - early
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0))  # and its input (x0 below)
             self.reduce(sizes.block, self.block_names[i], sync)
@@ -204,18 +205,23 @@ class Step(LossPlay):
             tl.alloc("other", 2 * wte)
             tl.free("other", 3 * wte)
         for n in [shapes.embedding, *(n for n in self.root_names if n not in (shapes.embedding, shapes.lm_head))]:
-            self.grad(sizes.grads[n])
+            self.grad(sizes.grads[n], n)
         tl.free("activations", keep(sbh * r) + sizes.rotary)
         tl.free("other", sbh * r)
         self.reduce(sizes.root, self.root_names, sync)
         self.release(sizes.root)
 
-    def grad(self, nbytes: float) -> None:
-        """A parameter's gradient arrives: new, or added into the one from an earlier micro-step
-        (briefly both), or stepped and freed at once (optimizer.in_backward), or copied into its
-        DDP bucket, which .grad then views (gradient_as_bucket_view)."""
+    def grad(self, nbytes: float, name: str) -> None:
+        """Parameter `name`'s gradient arrives: new, or added into the one from an earlier micro-step
+        (briefly both), or stepped (with that one tensor's step temporaries) and freed at once
+        (optimizer.in_backward), or copied into its DDP bucket, which .grad then views
+        (gradient_as_bucket_view)."""
         whole_kept = self.have_grads and not self.sizes.sync_each  # FSDP syncing each micro-step shards them
-        if self.sizes.in_backward or self.sizes.grads_in_buckets or (whole_kept and not self.sizes.upcast):
+        if self.sizes.in_backward:
+            self.tl.alloc("grads", nbytes)
+            self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
+            self.tl.free("grads", nbytes)
+        elif self.sizes.grads_in_buckets or (whole_kept and not self.sizes.upcast):
             self.tl.transient("grads", nbytes)
         else:
             self.tl.alloc("grads", nbytes)

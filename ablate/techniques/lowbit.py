@@ -3,6 +3,7 @@ adamw_fp8), beside torch's optimizers and bitsandbytes' 8-bit AdamW in ablate/te
 Each option's states in bytes are the analytic predictor's (ablate/predict/analytic.py)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -142,3 +143,49 @@ class AdamWFp8(LowBitAdamW):
         # On a CPU it does step (torch emulates fp8 casts in software), but fp8 states are a GPU
         # technique: a CPU row would time an emulation no one trains with.
         require_fp8_gpu(plan, "optimizer=adamw_fp8")
+
+
+class AdamWBf16(LowBitAdamW):
+    """AdamW whose two moments are stored in bf16 (torchtitan's bf16 optimizer states), whatever the
+    parameters' dtype: 4 bytes/param instead of 8 beside fp32 parameters (fp32 training, autocast);
+    beside bf16 parameters the same bytes as AdamW, with the update computed in fp32.
+
+    torchao's AdamW step (upcast, update in fp32, round the states back) over plain bf16 states:
+    torchao quantises only its own formats, so the states are made here by overriding its buffer
+    factory, a private method (torchao has no public bf16-state option)."""
+
+    label = "bf16-state AdamW"
+
+    name, torchao_class = "adamw_bf16", "_AdamW"
+    code_bytes = 2.0
+
+    def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
+                 in_backward: bool = False):
+        super().__init__(lr, betas, weight_decay, 1, in_backward)
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return _bf16_state_adamw()
+
+    def optimizer_kwargs(self) -> dict:
+        return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay,
+                "bf16_stochastic_round": self._round_stochastically}
+
+    def quantised(self, numel: int) -> bool:
+        return True  # every tensor's states are bf16
+
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
+        return 2 * math.prod(shape) * 2 + (4 if device == "cpu" else 0)  # `step`: a host fp32 tensor
+
+    def before_trace(self) -> None:
+        """No lookup tables: bf16 is no quantised format."""
+
+
+@functools.cache
+def _bf16_state_adamw() -> type[torch.optim.Optimizer]:
+    from torchao.optim import _AdamW  # optional dependency, imported only when used
+
+    class AdamWBf16States(_AdamW):
+        def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            return torch.zeros_like(p, dtype=torch.bfloat16)
+
+    return AdamWBf16States

@@ -163,6 +163,11 @@ class TorchOptimizer(Option, abc.ABC):
         """The step's temporaries at their largest."""
         raise Unmodelled(f"no memory model for optimizer option {type(self).__name__}")
 
+    def step_temp(self, groups: list[list[tuple]], d: int, device: str) -> float:
+        """The step's temporaries at their largest, given each tensor's shape (what the predictor
+        asks): from their element counts, unless the option needs the shapes (Muon's Gram matrices)."""
+        return self.step_temp_bytes([[math.prod(s) for s in g] for g in groups], d, device)
+
     def shared_state_bytes(self, largest: int) -> float:
         """State shared by every tensor (a quantisation map), given the largest tensor's elements."""
         return 0.0
