@@ -65,9 +65,11 @@ def left_behind(body: str, sweep: str) -> str:
     return re.sub(r"\[[^\]]*\]\(\.\./([^)]+)\)", lambda m: f"`{sweep}/{m.group(1)}`", body)
 
 
-def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), argv: list[str] | None = None) -> Path:
+def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), argv: list[str] | None = None,
+        page: str | None = None) -> Path:
     """Run `preset`'s sweep with `defaults` and the overrides in argv (which replace a default of the
-    same key); returns the written Markdown file."""
+    same key); returns the written Markdown file, `<page>.md` (default: the preset's name)."""
+    page = page or preset
     parser = argparse.ArgumentParser(prog=f"benchmarks/{preset}.py", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where <device>/ goes")
     parser.add_argument("--sweep-dir", help="the sweep's directory (default outputs/benchmarks/<preset>/<time>)")
@@ -95,16 +97,16 @@ def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), arg
                 "with its reason.\n")
 
     out = Path(args.results) / device
-    files = out / preset
+    files = out / page
     files.mkdir(parents=True, exist_ok=True)
     body = (staging / "report.md").read_text()
     for item in sorted(staging.iterdir()):  # runs.csv and the PNGs, linked from <preset>.md
         if item.suffix in (".png", ".csv"):
             (files / item.name).write_bytes(item.read_bytes())
-            body = body.replace(f"]({item.name})", f"]({preset}/{item.name})")
+            body = body.replace(f"]({item.name})", f"]({page}/{item.name})")
     body = body.replace("# ablate report", "## Report", 1)
     body = left_behind(body, str(shown))
-    md = out / f"{preset}.md"
+    md = out / f"{page}.md"
     md.write_text(top + "\n" + body)
     print(f"wrote {md}")
     return md

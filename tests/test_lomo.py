@@ -77,10 +77,7 @@ def test_trains(name):
         ("adalomo", "nano", "bf16_pure"), ("adalomo", "llama", "fp32")])])
 def test_analytic_matches_memtracker(name, config, precision):
     """The states to the byte (LOMO none; AdaLomo fp32 row and column means per matrix, a whole one
-    per vector, whatever the parameters' dtype). The peak within 2% where the activations make it.
-    Where the step's own tensors do (a few tokens), the predictor's in-backward model, which frees
-    each gradient as it is made, misses the package's: a gradient lives until the next one arrives,
-    with its fp32 copies beside it in 16-bit (6-27% under on one token)."""
+    per vector, whatever the parameters' dtype). The peak within 2% where the activations make it."""
     _, real, spec = trained(name, config, f"precision={precision}")
     pred = analytic(spec)
     assert pred.steady_mib["optimizer"] * MIB == real.after["optimizer"] * MIB
@@ -90,10 +87,12 @@ def test_analytic_matches_memtracker(name, config, precision):
 @pytest.mark.parametrize("name, precision", [
     ("lomo", "bf16_pure"), ("adalomo", "fp32"),
     pytest.param("lomo", "fp32", marks=pytest.mark.slow), pytest.param("adalomo", "bf16_pure", marks=pytest.mark.slow)])
-def test_where_the_step_peaks_in_backward_the_prediction_is_short_by_one_gradient(name, precision):
-    """The predictor frees each gradient as it is made; the package keeps one until the next
-    arrives, beside it, and in 16-bit beside its fp32 copy and the parameter's. On one token the
-    prediction is short by that much of the largest matrix (mlp.c_fc's, 4·384²) and no more."""
+def test_where_the_step_peaks_in_backward_the_prediction_is_short_by_at_most_one_gradient(name, precision):
+    """The predictor keeps each gradient until the next one arrives and plays its fp32 copies (16-bit
+    LOMO) as it is stepped: on one token, where the step's own tensors make the peak, LOMO in bf16
+    is within 0.1%. In fp32, and under AdaLomo, the real step has one more gradient-sized tensor
+    alive than the predictor plays (mlp.c_fc's weight gradient arriving while mlp.c_proj's waits):
+    it is short by that much of the largest matrix (4·384²) and no more (5.8-8.4% here)."""
     _, real, spec = trained(name, "wide", f"precision={precision}")
     pred = analytic(spec)
     assert pred.steady_mib["optimizer"] * MIB == real.after["optimizer"] * MIB

@@ -22,6 +22,8 @@ PRESETS = {
     "predict_check": ("gpt2", None, 16),
     "fit_llama_1b": ("llama3.2-1b", 6, 18),
     "fit_llama_8b": ("llama3.1-8b", 12, 36),
+    "full_7b": ("llama3.1-8b", 26, 104),
+    "optimizers": ("gpt-mini", 20, 20),
 }
 # Scaled down for a CPU as the presets' headers say (conf/scale/cpu.yaml; tests/test_scale.py checks
 # that each technique's memory effect points there as on a GPU).
@@ -154,6 +156,31 @@ def test_leanest_trains_gpt2_xl_with_an_adamw_class_optimizer_in_6_gib():
         spec = compose_spec(["model=gpt2-xl", "device=cuda", "batch_size=8", "seq_len=1024", *keys])
         under[rung.get("optimizer", "adamw")] = analytic(spec).peak_mib / 1024 <= 6
     assert under["adamw4bit"] and not under["adamw8bit"]
+
+
+def test_full_7b_plans_a_7b_model_under_17_gib_on_the_card_and_under_8_gib_offloaded():
+    """Full-parameter training at batch 2 x 2048, planned on a CPU. Mistral 7B with its bf16 weights
+    on the card (13.5 GiB): LOMO, AdaLomo and APOLLO-Mini, stepped in backward, under 17 GiB, where
+    torchtune's 8-bit AdamW recipe needs more than 24. Llama 3.1 8B's 128K-token embedding and head
+    (0.5 B parameters each) hold every on-card plan above 17 GiB: a gradient of one of them, with
+    LOMO's fp32 copies of it (4 GiB) or Adafactor's temporary, is alive as it is stepped. With
+    parameters, gradients and states in host memory AdamW plans under 8 GiB for both."""
+    from omegaconf import OmegaConf
+
+    from ablate.predict.analytic import analytic
+
+    preset = OmegaConf.load(CONF / "experiment" / "full_7b.yaml")
+    peaks = {}
+    for model in ("mistral-7b", "llama3.1-8b"):
+        for rung in preset.hydra.sweeper.rungs:
+            if rung.batch_size == 2:
+                keys = [f"{k}={v}".replace("True", "true") for k, v in rung.items()]
+                spec = compose_spec(["experiment=full_7b", f"model={model}", "device=cuda", *keys])
+                peaks[(model, rung.optimizer, rung.get("offload", "none"))] = analytic(spec).peak_mib / 1024
+    assert all(peaks[("mistral-7b", o, "none")] <= 17 for o in ("lomo", "adalomo", "apollo_mini"))
+    assert peaks[("mistral-7b", "adamw8bit", "none")] > 24
+    assert 17 < min(v for (m, _, offload), v in peaks.items() if m == "llama3.1-8b" and offload != "params") < 17.1
+    assert all(peaks[(m, "adamw", "params")] <= 8 for m in ("mistral-7b", "llama3.1-8b"))
 
 
 def bench(preset: str, tmp_path, *overrides: str) -> str:

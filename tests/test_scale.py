@@ -29,6 +29,11 @@ UNSCALED = {
     # Adapters keep their rank while the width shrinks: at scale=cpu's width of 64, LoRA's rank 64 is
     # the size of the model it adapts, and LoRA costs memory where on Llama 8B it saves 42%.
     "fit_llama_8b",
+    # Already a CPU's size (gpt-mini, 500 steps): it compares losses, which a smaller model would not keep.
+    "optimizers",
+    # GaLore's rank 1024 and APOLLO's ranks are not scaled with the width: at scale=cpu's width of 64
+    # they project nothing, and GaLore's states outgrow AdamW's, where on an 8B model they save most.
+    "full_7b",
 }
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml") if p.stem not in UNSCALED)
 # A change under 2% of the baseline's peak has no direction. MemTracker's peaks are byte counts of

@@ -172,7 +172,7 @@ def _model_state(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if device == "cuda":
         stored += sum(t.peft.quant_state_bytes(2 * local[n]) for n in shapes.packed)
     # In backward each tensor is stepped alone, by an optimizer made of its group with it alone in it.
-    each = {} if states == 0 or not t.optimizer.in_backward else {
+    each = {} if not t.optimizer.in_backward else {
         n: t.optimizer.step_temp([[shape] if j == i else [] for j in range(len(groups))], param_bytes, device)
         for i, (names, group) in enumerate(zip(shapes.groups, groups)) for n, shape in zip(names, group)}
     sizes = Sizes(params=0.0 if offloaded else stored, grads=grads, states=states, step_temp_each=each,
@@ -244,6 +244,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
     sizes.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
     sizes.micro_steps, sizes.in_backward = t.accumulation.steps, t.optimizer.in_backward
+    sizes.grad_lag = t.optimizer.in_backward and t.optimizer.steps_on_next_gradient
     # FSDP with mixed precision that keeps whole gradients over micro-steps sums them in fp32 (its
     # reduce dtype) beside .grad (FSDPParam.unsharded_accumulated_grad), not in the 16-bit .grad.
     sizes.upcast = (sizes.root is not None and not sizes.sync_each and bool(t.precision.autocast_dtype)

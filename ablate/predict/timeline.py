@@ -94,6 +94,7 @@ class Sizes:
     in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
     grads_in_buckets: bool = False  # DDP gradient_as_bucket_view: each gradient is copied into its bucket (`other`)
     step_temp_each: dict = field(default_factory=dict)  # in backward: name -> that tensor's step temporaries
+    grad_lag: bool = False  # in backward, a gradient is stepped when the next one arrives (the last by step())
 
 
 class Step(LossPlay):
@@ -113,6 +114,7 @@ class Step(LossPlay):
         in_layers = {n for names in shapes.layer_names for n in names}
         self.root_names = [n for n in sizes.grads if n not in in_layers]
         self.have_grads = False
+        self.pending: tuple[str, float] | None = None  # grad_lag: the gradient the next one's arrival steps
 
     def keeps_cast(self, saved: float) -> bool:
         """Whether a block's cast weights stay on the device from its forward to its backward:
@@ -133,6 +135,7 @@ class Step(LossPlay):
             self.forward()
             self.backward(sync=sizes.sync_each or k == steps - 1)  # FSDP: reduce-scatter now, or keep whole grads
             self.have_grads = True
+        self.step_pending()  # the last gradient of a lagging in-backward option: step() steps it
         tl.transient("optimizer", sizes.step_temp)
         tl.free("grads", tl.now["grads"])  # zero_grad(set_to_none=True)
         return tl
@@ -219,12 +222,24 @@ class Step(LossPlay):
         whole_kept = self.have_grads and not self.sizes.sync_each  # FSDP syncing each micro-step shards them
         if self.sizes.in_backward:
             self.tl.alloc("grads", nbytes)
-            self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
-            self.tl.free("grads", nbytes)
+            if self.sizes.grad_lag:  # this one's arrival steps the one before
+                self.step_pending()
+                self.pending = (name, nbytes)
+            else:
+                self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
+                self.tl.free("grads", nbytes)
         elif self.sizes.grads_in_buckets or (whole_kept and not self.sizes.upcast):
             self.tl.transient("grads", nbytes)
         else:
             self.tl.alloc("grads", nbytes)
+
+    def step_pending(self) -> None:
+        """Step and free the gradient waiting for the next one (grad_lag), with its step temporaries."""
+        if self.pending:
+            name, nbytes = self.pending
+            self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
+            self.tl.free("grads", nbytes)
+            self.pending = None
 
     def gather(self, unit: Unit | None, kind: str) -> None:
         """FSDP all-gathers a unit's parameters into one flat buffer (labelled `kind`: MemTracker

@@ -14,13 +14,13 @@ parameter, so MemTracker labels them "optimizer".
 
 How this composes with `in_backward`: the option always steps in backward (not a key), so its
 `in_backward` reads True, the rules that go with it hold (no accumulation; find_batch tries the
-whole batch only), and the predictor frees each gradient as it is made. The package's hook order
-keeps a gradient a little longer: a tensor hook runs before its own gradient is accumulated and
-consumes the ones before it, so each gradient lives until the next parameter's arrives (the last
-until `step()`), and under 16-bit parameters its fp32 copy and the parameter's sit beside them.
-Where the activations make the peak the prediction is within 2% of MemTracker's; where a step of a
-few tokens peaks in backward it is short by about one gradient matrix, and those copies
-(tests/test_lomo.py has both cases).
+whole batch only). The package's hook order keeps a gradient a little longer than a post-accumulate
+hook would: a tensor hook runs before its own gradient is accumulated and steps the ones before it,
+so each gradient lives until the next parameter's arrives (the last until `step()`), and under
+16-bit parameters its fp32 copy and the parameter's sit beside them: the predictor plays that
+(`steps_on_next_gradient`). Where the activations make the peak the prediction is within 2% of
+MemTracker's; where a step of a few tokens peaks in backward, in fp32 or under AdaLomo, it is short
+by about one gradient matrix (tests/test_lomo.py has both cases).
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ class FusedUpdate(TorchOptimizer):
 
     key_labels: dict = {}
     package_class = ""  # the class in lomo_optim
+    steps_on_next_gradient = True
     counts_steps = False
 
     def __init__(self, lr: float, weight_decay: float, clip_grad_norm: float | None, clip_grad_value: float | None):
@@ -171,7 +172,9 @@ class Lomo(FusedUpdate):
         return 0.0
 
     def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
-        return 0.0  # no state: the predictor asks this only of options that keep some
+        """A 16-bit parameter is updated through fp32 copies of it and of its gradient; an fp32 one
+        in place (`.to(torch.float32)` returns the tensor itself)."""
+        return 0.0 if d == 4 else 8 * max(n for g in groups for n in g)
 
 
 class AdaLomo(FusedUpdate):

@@ -154,6 +154,10 @@ class TorchOptimizer(Option, abc.ABC):
     # shape), `name` its name in the bare model (the layout's), `d` the bytes of the parameters' dtype, `groups` each parameter group's tensor sizes
     # (elements) in the order the step visits them, `device` "cpu" or "cuda".
     reads_values = False  # its step reads tensor values (.item()), which the fake-tensor trace must answer
+    # In backward, a parameter is stepped when the next parameter's gradient arrives (a tensor hook
+    # that runs before its own gradient is kept, as lomo-optim's), the last one by step(): each
+    # gradient lives until the next one exists. Else each is stepped as soon as it is whole.
+    steps_on_next_gradient = False
 
     def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
         """Optimizer state kept on the device for one parameter tensor."""
