@@ -21,7 +21,8 @@ from ablate.data import Synthetic
 from ablate.predict.analytic import analytic
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.apollo import APOLLO, APOLLOMini
-from ablate.techniques.galore import GaLore, GaLore8bit, projected_shape, side_of
+from ablate.techniques.galore import GaLore, GaLore8bit
+from ablate.techniques.projected import projected_shape, side_of
 from ablate.train import train_step
 from helpers import ROOT, compose_spec, fast_defaults, results_under, run_cli, train_nano
 from test_predict import measured

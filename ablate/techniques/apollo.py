@@ -4,7 +4,7 @@ matrix's raw gradient by how much Adam changes its random low-rank projection, p
 
 What each option keeps and makes per step is read off the package's code (apollo-torch 1.0.3:
 apollo_torch/apollo.py, random_projector.py, svd_projector.py); the projection, the groups and
-the checks are GaLore's (ablate/techniques/galore.py).
+the checks are GaLore's (ablate/techniques/projected.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ablate.techniques import Invalid
-from ablate.techniques.galore import Projected, StepLoop, showing_projectors, side_of
+from ablate.techniques.projected import Projected, StepLoop, showing_projectors, side_of
 
 
 class APOLLO(Projected):
