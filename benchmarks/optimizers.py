@@ -2,7 +2,7 @@
 (conf/experiment/optimizers.yaml) on the synthetic data and on text, and the page puts each one's
 eval loss against AdamW's beside its optimizer-state bytes per parameter.
 
-    python benchmarks/optimizers.py  ->  benchmarks/results/cpu/optimizers.md (+ optimizers/, optimizers_text/)
+    python benchmarks/optimizers.py  ->  benchmarks/results/cpu/optimizers.md, optimizers_text.md (+ their folders)
 
 The text is generated, not shipped: the docstrings of a fixed list of Python standard-library
 modules, ASCII only (about 0.4 MB; it differs a little between Python versions, which the page names).
@@ -62,7 +62,8 @@ def state_bytes(optimizer_keys: list[str], base: list[str]) -> float:
 
 def table(sweep: Path, base: list[str]) -> list[str]:
     """One row per run, in the ladder's order: the eval loss against AdamW's (its authors' run)."""
-    runs = sorted((json.loads(p.read_text()) for p in sweep.glob("*/result.json")),
+    # rglob: a run's folder is named by its overrides, and data.path's slashes nest it
+    runs = sorted((json.loads(p.read_text()) for p in sweep.rglob("result.json")),
                   key=lambda r: int(r["config"].get("rung") or 0))
     reference = [r for r in runs if r["choices"]["optimizer"] == "adamw" and r["status"] == "ok"]
     ref_eval = reference[0]["metrics"]["eval_loss"] if reference else math.nan
@@ -82,12 +83,13 @@ def table(sweep: Path, base: list[str]) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    """`--report-only`: render the pages of sweeps that already ran (bench.run's flag)."""
     text = write_text(ROOT / "outputs" / "benchmarks" / "optimizers" / "stdlib_docs.txt")
     datasets = {"optimizers": [], "optimizers_text": ["data=chars", f"data.path={text}", "model.vocab_size=128"]}
     for page, overrides in datasets.items():
         sweep = ROOT / "outputs" / "benchmarks" / page
-        md = run("optimizers", report_args=["--table", "full"], argv=["--sweep-dir", str(sweep), *overrides],
+        md = run("optimizers", report_args=["--table", "full"], argv=["--sweep-dir", str(sweep), *argv, *overrides],
                  page=page)
         vocab = 128 if overrides else 512  # the traced step's tokens are random: only the shapes matter
         base = ["model=gpt-mini", "batch_size=16", "seq_len=64", "device=cpu", f"model.vocab_size={vocab}",
@@ -105,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -17,7 +17,7 @@ PRESETS = {
     "gpt2_xl_fsdp_batch_scan": ("gpt2-xl", 3, 14),
     "single_gpu_techniques": ("gpt2", 11, 11),
     "layer_recompute": ("gpt-nano", 6, 6),
-    "leanest": ("gpt2-large", 6, 6),
+    "leanest": ("gpt2-large", 7, 7),
     "gpt2_throughput": ("gpt2", None, 4),
     "predict_check": ("gpt2", None, 16),
     "fit_llama_1b": ("llama3.2-1b", 6, 18),
@@ -133,18 +133,20 @@ def test_batch_scan_grows_with_the_batch_and_recompute_shrinks_it(plan):
 
 
 def test_leanest_is_a_fraction_of_the_baseline(plan):
-    baseline, lean8bit, chunked, lean4bit, adafactor, host = peaks(plan("leanest"))
-    assert lean8bit < baseline / 4 and chunked < lean8bit and lean4bit < lean8bit
+    baseline, lean8bit, chunked, lean4bit, adafactor, apollo_mini, host = peaks(plan("leanest"))
+    assert lean8bit < baseline / 4 and chunked < lean8bit and lean4bit < lean8bit and apollo_mini < lean4bit
     # gpt2-large's quantised wte (64M elements) makes 4-bit's compiled step keep ~26 B/element of
     # temporaries at once (the predictor's figure, read from inductor's CPU code): more than the
     # 8-bit states it saves on this model, not on gpt2-xl (whose wte stays unquantised).
-    assert host == min(baseline, lean8bit, chunked, lean4bit, adafactor, host)
+    assert host == min(baseline, lean8bit, chunked, lean4bit, adafactor, apollo_mini, host)
 
 
-def test_leanest_trains_gpt2_xl_with_an_adamw_class_optimizer_in_6_gib():
-    """The leanest preset's goal, planned on a CPU: gpt2-xl at batch 8 x seq 1024 under 6 GiB with
+def test_leanest_trains_gpt2_xl_with_an_adamw_class_optimizer_in_6_gib_and_apollo_mini_in_4_5():
+    """The leanest preset's goals, planned on a CPU: gpt2-xl at batch 8 x seq 1024 under 6 GiB with
     4-bit AdamW states (not Adafactor, whose loss was 30% worse: benchmarks/results/
-    NVIDIA-H100-80GB-HBM3/leanest.md)."""
+    NVIDIA-H100-80GB-HBM3/leanest.md), and under 4.5 GiB with APOLLO-Mini's rank-1 states at
+    AdamW's hyperparameters (gpt-mini's 500-step eval loss: 3% under AdamW's on the synthetic data,
+    12% over on text: benchmarks/results/cpu/optimizers.md, optimizers_text.md)."""
     from omegaconf import OmegaConf
 
     from ablate.predict.analytic import analytic
@@ -154,8 +156,8 @@ def test_leanest_trains_gpt2_xl_with_an_adamw_class_optimizer_in_6_gib():
     for rung in preset.hydra.sweeper.rungs:
         keys = [f"{k}={v}".replace("True", "true") for k, v in rung.items()]
         spec = compose_spec(["model=gpt2-xl", "device=cuda", "batch_size=8", "seq_len=1024", *keys])
-        under[rung.get("optimizer", "adamw")] = analytic(spec).peak_mib / 1024 <= 6
-    assert under["adamw4bit"] and not under["adamw8bit"]
+        under[rung.get("optimizer", "adamw")] = analytic(spec).peak_mib / 1024
+    assert under["adamw4bit"] <= 6 < under["adamw8bit"] and under["apollo_mini"] <= 4.5
 
 
 def test_full_7b_plans_a_7b_model_under_17_gib_on_the_card_and_under_8_gib_offloaded():
