@@ -141,13 +141,17 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
         return None
     named = [c for c in labels if c in group and c.split(".")[0] in LOSS_VARIANTS and varies(group[c])]
     fixed = [c for c in labels if c in group and c.split(".")[0] not in LOSS_VARIANTS]
-    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained", dpi=DPI)
+    # Many runs (an optimizer comparison): the legend goes below in two columns, so the plot keeps
+    # the figure's width, and 20 colours instead of 10, so no two runs share a colour and a dash.
+    many = len(group) > 8
+    fig, ax = plt.subplots(figsize=(11, 6 + 0.2 * len(group)) if many else (9, 4.5), layout="constrained", dpi=DPI)
+    colours = plt.get_cmap("tab20").colors if many else plt.rcParams["axes.prop_cycle"].by_key()["color"]
     first = []
     for i, (_, row) in enumerate(group.iterrows()):
         steps, y = measured_curve(row)
         # dashes apart: precision changes often move a loss by less than a line's width
         ax.plot(steps, y, lw=1.2, ls=("-", "--", ":", "-.")[i % 4], marker="." if len(steps) < 30 else None,
-                label=run_label(row, named))
+                color=colours[i % len(colours)], label=run_label(row, named))
         first.append(steps[0])
     last = max(line.get_xdata()[-1] for line in ax.get_lines())
     ax.set_xlim(min(first), max(last, min(first) + 1))  # from the first measured step: warm-up is not shown
@@ -161,7 +165,10 @@ def loss_curves(df: pd.DataFrame, labels: list[str], out: str | Path) -> Path | 
     title = [f"Training loss{on_device(df)}", *textwrap.wrap(f"runs with {where}" if where else "", 100),
              *(line for part in note.split("\n") for line in textwrap.wrap(part, 100))]
     ax.set_title("\n".join(title), fontsize=10)
-    ax.legend(title=" / ".join(named) or None, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    if many:
+        ax.legend(title=" / ".join(named) or None, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    else:
+        ax.legend(title=" / ".join(named) or None, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(alpha=0.3)
     return save(fig, out, "loss_curves.png")
 
