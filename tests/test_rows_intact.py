@@ -246,12 +246,12 @@ def test_a_config_that_cannot_mean_what_it_says_is_invalid(overrides, message):
 
 def test_a_key_of_another_option_names_where_it_belongs():
     error = unknown_key(["optimizer.momentum=0.9"])  # Hydra's: "Key 'momentum' is not in struct"
-    assert error.startswith("optimizer.momentum: not a key of optimizer=adamw (momentum is a key of optimizer=sgd). "
-                            "Its keys: optimizer.betas, optimizer.implementation, ")
+    assert error.startswith("optimizer.momentum: not a key of optimizer=adamw (momentum is a key of optimizer=muon, "
+                            "optimizer=sgd). Its keys: optimizer.betas, optimizer.implementation, ")
     assert unknown_key(["optimizer=sgd", "optimizer.momentum=0.9"]) is None
     # Following Hydra's advice (`+optimizer.momentum`) was a TypeError from AdamW.__init__.
     with pytest.raises(Invalid, match=r"optimizer.momentum is not a key of AdamW \(momentum is a key of "
-                                      r"optimizer=sgd\). Its keys: optimizer.lr, "):
+                                      r"optimizer=muon, optimizer=sgd\). Its keys: optimizer.lr, "):
         check_config(compose_spec(["+optimizer.momentum=0.9"]))
 
 
