@@ -101,3 +101,15 @@ def hf_toy(model_type: str) -> list[str]:
     from ablate.models.hf_toy import toy_overrides
 
     return [*toy_overrides(model_type), "data.vocab_size=128"]
+
+
+# Tiny configs the optimizer options' tests trace a real CPU step of: GPT-2, Llama (GQA), and one
+# token through wide matrices, where the optimizer step's own tensors, not the activations, make the peak.
+_NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
+_LLAMA = ["model=llama3.2-1b", "model.config.num_hidden_layers=2", "model.config.hidden_size=64",
+          "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
+          "model.config.num_key_value_heads=2", "model.config.head_dim=16", "model.config.vocab_size=128",
+          "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
+_WIDE = ["model=gpt-nano", "model.n_embd=384", "model.n_head=6", "model.vocab_size=128", "data.vocab_size=128",
+         "device=cpu", "batch_size=1", "seq_len=2"]
+OPTIMIZER_CONFIGS = {"nano": _NANO, "llama": _LLAMA, "wide": _WIDE}

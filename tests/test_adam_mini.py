@@ -18,22 +18,13 @@ from ablate.techniques import Invalid, Plan
 from ablate.techniques import adam_mini
 from ablate.techniques.adam_mini import AdamMini
 from ablate.train import train_step
+from helpers import OPTIMIZER_CONFIGS as CONFIGS
 from helpers import compose_spec
 
 pytest.importorskip("adam_mini")
 
 CPU = torch.device("cpu")
 MIB = 2**20
-NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
-LLAMA = ["model=llama3.2-1b", "model.config.num_hidden_layers=2", "model.config.hidden_size=64",
-         "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
-         "model.config.num_key_value_heads=2", "model.config.head_dim=16", "model.config.vocab_size=128",
-         "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
-# One token and wide matrices: the step's temporaries (twice the largest tensor), not the
-# activations, make the peak.
-WIDE = ["model=gpt-nano", "model.n_embd=384", "model.n_head=6", "model.vocab_size=128", "data.vocab_size=128",
-        "device=cpu", "batch_size=1", "seq_len=2"]
-CONFIGS = {"nano": NANO, "llama": LLAMA, "wide": WIDE}
 
 
 @functools.cache
@@ -104,7 +95,7 @@ def test_llama_states_follow_the_package_partition():
     head_dim × hidden elements, set on the package where heads × head_dim ≠ hidden, as here:
     4 × 32 on 64, which the package's hidden²/heads would cut into half-heads), v_proj, o_proj,
     the MLP and the embedding one per row, the norms one each."""
-    spec = compose_spec([*LLAMA, "model.config.head_dim=32", "optimizer=adam_mini"])
+    spec = compose_spec([*CONFIGS["llama"], "model.config.head_dim=32", "optimizer=adam_mini"])
     t = check_config(spec, "cpu")
     model = build_model(t, CPU)
     optimizer = build_optimizer(model, t)
@@ -170,7 +161,7 @@ PLAN = Plan(device="cpu", batch_size=8, seq_len=32)
 
 @functools.cache
 def nano_family():
-    return check_config(compose_spec([*NANO, "optimizer=adam_mini"])).model
+    return check_config(compose_spec([*CONFIGS["nano"], "optimizer=adam_mini"])).model
 
 
 def option(**kwargs) -> AdamMini:

@@ -20,21 +20,13 @@ from ablate.predict.analytic import analytic
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.lomo import AdaLomo, Lomo
 from ablate.train import train_step
+from helpers import OPTIMIZER_CONFIGS as CONFIGS
 from helpers import compose_spec, hf_toy
 
 pytest.importorskip("lomo_optim")
 
 CPU = torch.device("cpu")
 MIB = 2**20
-NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
-LLAMA = ["model=llama3.2-1b", "model.config.num_hidden_layers=2", "model.config.hidden_size=64",
-         "model.config.intermediate_size=128", "model.config.num_attention_heads=4",
-         "model.config.num_key_value_heads=2", "model.config.head_dim=16", "model.config.vocab_size=128",
-         "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
-# One token and wide matrices: the step's own tensors, not the activations, make the peak.
-WIDE = ["model=gpt-nano", "model.n_embd=384", "model.n_head=6", "model.vocab_size=128", "data.vocab_size=128",
-        "device=cpu", "batch_size=1", "seq_len=2"]
-CONFIGS = {"nano": NANO, "llama": LLAMA, "wide": WIDE}
 LR = {"lomo": "optimizer.lr=0.5", "adalomo": "optimizer.lr=0.02"}
 # Without biases: a key projection's bias gets a zero gradient (softmax ignores a shift shared by
 # every key), which AdaLomo normalises into an update of rounding noise; elsewhere it is exact.
@@ -175,7 +167,7 @@ def test_adalomo_moments_are_the_optimizers_state_and_frozen_parameters_have_non
 
 @functools.cache
 def nano_family():
-    return check_config(compose_spec([*NANO, "optimizer=lomo"])).model
+    return check_config(compose_spec([*CONFIGS["nano"], "optimizer=lomo"])).model
 
 
 def option(cls, **kwargs):
@@ -216,7 +208,7 @@ def test_norm_clipping_and_bad_values_are_invalid(cls):
 
 def test_accumulation_is_refused_through_the_config():
     with pytest.raises(Invalid, match="optimizer=lomo needs accumulation=none"):
-        check_config(compose_spec([*NANO, "optimizer=lomo", "accumulation=x4"]))
+        check_config(compose_spec([*CONFIGS["nano"], "optimizer=lomo", "accumulation=x4"]))
 
 
 @pytest.mark.parametrize("cls", [Lomo, AdaLomo])
