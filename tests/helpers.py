@@ -113,3 +113,31 @@ _LLAMA = ["model=llama3.2-1b", "model.config.num_hidden_layers=2", "model.config
 _WIDE = ["model=gpt-nano", "model.n_embd=384", "model.n_head=6", "model.vocab_size=128", "data.vocab_size=128",
          "device=cpu", "batch_size=1", "seq_len=2"]
 OPTIMIZER_CONFIGS = {"nano": _NANO, "llama": _LLAMA, "wide": _WIDE}
+
+
+def traced_training(overrides: list[str], steps: int = 3):
+    """`steps` real train_steps of the composed config on one fixed batch of learnable tokens (128 of
+    them), the last traced by MemTracker. Returns (losses, Trace, model, optimizer, spec)."""
+    import torch
+
+    from ablate import measure
+    from ablate.build import build_model, build_optimizer, check_config
+    from ablate.data import Synthetic
+    from ablate.train import train_step
+
+    cpu = torch.device("cpu")
+    spec = compose_spec(overrides)
+    t = check_config(spec, "cpu")
+    batch = Synthetic(vocab_size=128, train_samples=64).load(spec.seq_len).train_batch(0, spec.batch_size)
+    torch.manual_seed(0)
+    model = build_model(t, cpu)
+    optimizer = build_optimizer(model, t)
+    scaler = t.precision.grad_scaler("cpu")
+    losses = []
+
+    def step():
+        losses.append(train_step(model, optimizer, scaler, t, batch, cpu).item())
+
+    for _ in range(steps - 1):
+        step()
+    return losses, measure.traced_step(step, model, optimizer, cpu), model, optimizer, spec

@@ -10,16 +10,14 @@ import sys
 import pytest
 import torch
 
-from ablate import measure
 from ablate.build import build_model, build_optimizer, check_config
-from ablate.data import Synthetic
 from ablate.predict.analytic import analytic
 from ablate.techniques import Invalid, Plan
 from ablate.techniques import adam_mini
 from ablate.techniques.adam_mini import AdamMini
 from ablate.train import train_step
 from helpers import OPTIMIZER_CONFIGS as CONFIGS
-from helpers import compose_spec
+from helpers import compose_spec, traced_training
 
 pytest.importorskip("adam_mini")
 
@@ -31,22 +29,7 @@ MIB = 2**20
 def trained(config: str, *overrides: str, steps: int = 3):
     """`steps` real train_steps on one fixed batch, the last traced by MemTracker. Returns
     (losses, Trace, model, optimizer, spec)."""
-    spec = compose_spec([*CONFIGS[config], "optimizer=adam_mini", "optimizer.lr=3e-3", *overrides])
-    t = check_config(spec, "cpu")
-    batch = Synthetic(vocab_size=128, train_samples=64).load(spec.seq_len).train_batch(0, spec.batch_size)
-    torch.manual_seed(0)
-    model = build_model(t, CPU)
-    optimizer = build_optimizer(model, t)
-    scaler = t.precision.grad_scaler("cpu")
-    losses = []
-
-    def step():
-        losses.append(train_step(model, optimizer, scaler, t, batch, CPU).item())
-
-    for _ in range(steps - 1):
-        step()
-    trace = measure.traced_step(step, model, optimizer, CPU)
-    return losses, trace, model, optimizer, spec
+    return traced_training([*CONFIGS[config], "optimizer=adam_mini", "optimizer.lr=3e-3", *overrides], steps)
 
 
 def test_adam_mini_trains():

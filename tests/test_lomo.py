@@ -13,15 +13,13 @@ import sys
 import pytest
 import torch
 
-from ablate import measure
 from ablate.build import build_model, build_optimizer, check_config
-from ablate.data import Synthetic
 from ablate.predict.analytic import analytic
 from ablate.techniques import Invalid, Plan
 from ablate.techniques.lomo import AdaLomo, Lomo
 from ablate.train import train_step
 from helpers import OPTIMIZER_CONFIGS as CONFIGS
-from helpers import compose_spec, hf_toy
+from helpers import compose_spec, hf_toy, traced_training
 
 pytest.importorskip("lomo_optim")
 
@@ -38,21 +36,7 @@ NO_BIAS = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "dev
 def trained(name: str, config: str, *overrides: str, steps: int = 3):
     """`steps` real train_steps on one fixed batch, the last traced by MemTracker. Returns
     (losses, Trace, spec)."""
-    spec = compose_spec([*CONFIGS[config], f"optimizer={name}", LR[name], *overrides])
-    t = check_config(spec, "cpu")
-    batch = Synthetic(vocab_size=128, train_samples=64).load(spec.seq_len).train_batch(0, spec.batch_size)
-    torch.manual_seed(0)
-    model = build_model(t, CPU)
-    optimizer = build_optimizer(model, t)
-    scaler = t.precision.grad_scaler("cpu")
-    losses = []
-
-    def step():
-        losses.append(train_step(model, optimizer, scaler, t, batch, CPU).item())
-
-    for _ in range(steps - 1):
-        step()
-    trace = measure.traced_step(step, model, optimizer, CPU)
+    losses, trace, _, _, spec = traced_training([*CONFIGS[config], f"optimizer={name}", LR[name], *overrides], steps)
     return losses, trace, spec
 
 

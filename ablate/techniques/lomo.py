@@ -143,7 +143,7 @@ class FusedUpdate(TorchOptimizer):
         return InBackwardUpdate(inner, self.states(inner, view), self.counts_steps)
 
     def make(self, groups: list[dict]) -> torch.optim.Optimizer:
-        raise NotImplementedError(f"optimizer={self.name} is built from the model (build), not from groups")
+        raise TypeError(f"optimizer={self.name} is built from the model (build), not from groups")
 
     def states(self, inner, view: Trainable) -> dict:
         """{parameter: {name: tensor}} of what the package keeps per parameter."""
