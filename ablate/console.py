@@ -80,6 +80,9 @@ class Progress:
         if m.get("max_batch_size"):  # find_batch's answer, measured or predicted
             guess = f" (predicted {m['predicted_max_batch_size']})" if m.get("predicted_max_batch_size") else ""
             detail = f"max micro-batch {m['max_batch_size']}{guess}  " + detail
+        if m.get("max_seq_len"):  # find_seq's answer, measured or predicted
+            guess = f" (predicted {m['predicted_max_seq_len']})" if m.get("predicted_max_seq_len") else ""
+            detail = f"longest seq_len {m['max_seq_len']}{guess}  " + detail
         if skipped:  # what to type when the earlier row is not wanted
             detail += "  (found done; skip_existing=false runs it again)"
         self.stream.write(f"[{status:>7}] {self.label}  {detail}  -> {where}\n")

@@ -1,5 +1,5 @@
 """A grid point's outcome, once the job has its typed spec: validate, predict, then run the worker
-once, as a batch search, or not at all (a plan, a pruned point). Never touches CUDA itself.
+once, as a batch or length search, or not at all (a plan, a pruned point). Never touches CUDA itself.
 
 validate -> predict -> (prune | plan | launch the worker -> its outcome) -> Outcome (+ Prediction)
 """
@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ablate import find_batch, results
+from ablate import find_batch, find_seq, results
 from ablate.build import Techniques, check_config
 from ablate.capacity import capacity_mib, host_free_mib
 from ablate.console import Progress
@@ -27,7 +27,7 @@ from launch.nvml import gpu_total_mib, visible_gpu_count
 
 def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progress) -> Outcome:
     """Start the worker (or torchrun) on run_dir/spec.json: the resolved config it rebuilds the spec from."""
-    run_dir.mkdir(parents=True, exist_ok=True)  # find_batch probes run in subdirectories
+    run_dir.mkdir(parents=True, exist_ok=True)  # find_batch's and find_seq's probes run in subdirectories
     spec_path = run_dir / SPEC
     # Atomic: every node of a multi-node point writes the same spec here, while the other node's
     # launcher may be reading it (a plain write truncates first, and the reader would see nothing).
@@ -160,8 +160,8 @@ def plan_outcome(prediction: Prediction | None, capacity: float | None) -> Outco
 
 def outcome_of(spec: RunSpec, run_dir: Path, overrides: list[str],
                progress: Progress) -> tuple[Outcome, Prediction | None]:
-    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch search
-    (under predict_only, a search of predictions). A row no worker ran (a plan, a pruned point)
+    """Validate, predict, then (unless predict_only or pruned) run, once or as a batch or length
+    search (under predict_only, a search of predictions). A row no worker ran (a plan, a pruned point)
     carries the parameter counts the worker would have (`counted`)."""
     outcome, prediction = _decided(spec, run_dir, overrides, progress)
     if outcome.status == "predicted" or results.predicted_oom({"status": outcome.status, "reason": outcome.reason}):
@@ -188,12 +188,16 @@ def _decided(spec: RunSpec, run_dir: Path, overrides: list[str],
 
     A batch search is pruned only when its smallest micro-batch is predicted not to fit, and its
     prediction is of the micro-batch its row measures (the largest that fits), so that predicted
-    and measured peaks compare like with like."""
+    and measured peaks compare like with like; a length search (find_seq) likewise, from seq_len 1."""
     invalid = validate(spec)
     if invalid:
         return invalid, None
     gpu_mib = gpu_total_mib() if spec.device != "cpu" else None
     capacity = capacity_mib(spec.gpu_memory_gib, gpu_mib)
+    lengths = find_seq.searching(spec)
+    refused = find_seq.refused(spec, capacity) if lengths else None
+    if refused:
+        return refused, None
     # A row no worker ran still names the card it was judged against (as a worker's env would).
     judged = {"gpu_total_mib": gpu_mib,
               "emulated_gpu_mib": spec.gpu_memory_gib * 1024 if spec.gpu_memory_gib else None}
@@ -208,6 +212,9 @@ def _decided(spec: RunSpec, run_dir: Path, overrides: list[str],
     if spec.predict_only and spec.find_batch:
         outcome, prediction = find_batch.planned(spec, capacity, predicted, micros)
         return replace(outcome, env=judged), prediction
+    if spec.predict_only and lengths:
+        outcome, prediction = find_seq.planned(spec, capacity, predicted, find_seq.limit_of(spec))
+        return replace(outcome, env=judged), prediction
     if spec.predict_only:
         prediction = predicted(spec)
         # A plan for this host's CPU refuses what its run would: more than the host has free.
@@ -216,15 +223,20 @@ def _decided(spec: RunSpec, run_dir: Path, overrides: list[str],
         return replace(outcome, env=judged), prediction
     searched = spec.find_batch
     smallest = micros[0] if searched else None
-    prediction = predicted(spec.with_micro_batch(smallest) if searched else spec)
+    first = spec.with_micro_batch(smallest) if searched else find_seq.at_seq_len(spec, 1) if lengths else spec
+    prediction = predicted(first)
     if spec.prune and prediction and capacity and prediction.peak_mib > capacity * (1 + spec.prune_margin):
-        at = f" at micro-batch {smallest}" if searched else ""
+        at = f" at micro-batch {smallest}" if searched else " at seq_len 1" if lengths else ""
         return Outcome("oom", f"{results.PRUNED} {prediction.peak_mib:,.0f} MiB{at} > {capacity:,.0f} MiB usable "
                               f"(+{spec.prune_margin:.0%} margin); not run", env=judged), prediction
     too_big = _over_the_host(spec, prediction, gpu_mib)
     if too_big:
         return Outcome("oom", too_big, env=judged), prediction
     _say_if_long(spec, prediction, progress, on_gpu=bool(gpu_mib) and spec.device != "cpu")
+    if lengths:
+        probe = lambda at, where: run_once(at, where, overrides, progress)  # noqa: E731
+        outcome, at_best = find_seq.searched(spec, capacity, run_dir, probe, predicted)
+        return outcome, at_best or prediction
     if not searched:
         return run_once(spec, run_dir, overrides, progress), prediction
     # The search starts where the predictions say the largest micro-batch that fits is: when

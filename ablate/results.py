@@ -42,7 +42,8 @@ METRIC_KEYS = (
     "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
     "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
     "gpu_util_pct_std", "compile_s", "skipped_steps", "traced_step_oom", "diverged_at_step", "loss_scale", "loss_first", "loss_final", "eval_loss", "loss_floor",
-    "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch", "params", "trainable_params",
+    "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch", "max_seq_len",
+    "predicted_max_seq_len", "find_seq", "params", "trainable_params",
 )
 # Files a worker leaves beside result.json (ablate/artifacts.py), by the key that names them under
 # "artifacts": each the file's path relative to result.json's directory, or null when not written.
@@ -177,7 +178,7 @@ SECTIONS = {"run_id": str, "status": str, "choices": dict, "config": dict, "over
             "metrics": dict, "prediction": dict, "env": dict, "timing": dict}
 WHOLE_KEYS = ("batch_size",)  # config keys every report table counts by: whole numbers >= 1
 _NUMBER = (int, float)
-_STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": list,
+_STRUCTURED = {"breakdown_mib": dict, "losses": list, "per_rank": list, "find_batch": list, "find_seq": list,
                "traced_step_oom": bool}  # true: the traced step's OOM (no breakdown), not training's
 # Times and throughputs, which like every size (a `*_mib` figure) a measurement never makes negative;
 # one that is would become the baseline of the report's deltas. Losses may be anything finite.

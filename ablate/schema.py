@@ -26,15 +26,15 @@ OVERLAYS = ("experiment", "scale")
 # Keys that change where or whether a point runs, never what it measures: left out of run_id.
 NON_SEMANTIC_KEYS = ("timeout_s", "skip_existing", "out_dir", "predict", "predict_only", "prune", "prune_margin",
                      "rung")
-# Keys in run_id only when set: at null they change nothing a result records, so the points of
-# results from before the key existed keep their run_id and are reused.
-HASHED_WHEN_SET = ("gpu_model",)
+# Keys in run_id only when set: at null (or false) they change nothing a result records, so the
+# points of results from before the key existed keep their run_id and are reused.
+HASHED_WHEN_SET = ("gpu_model", "find_seq")
 
 
 def identity(config: dict) -> dict:
     """What a point's run_id hashes of its resolved config (ablate/run_identity.py)."""
     return {k: v for k, v in config.items()
-            if k not in NON_SEMANTIC_KEYS and not (k in HASHED_WHEN_SET and v is None)}
+            if k not in NON_SEMANTIC_KEYS and not (k in HASHED_WHEN_SET and (v is None or v is False))}
 
 
 class Device(str, Enum):
@@ -94,6 +94,7 @@ class RunKeys:
     prune: bool = False  # record a point predicted not to fit as an oom row without running it
     prune_margin: float = 0.1  # prune only above capacity x (1 + margin), as the prediction may be high
     find_batch: bool = False  # search the largest micro-batch that fits (accumulation keeps batch_size)
+    find_seq: bool = False  # search the longest seq_len that fits (batch and micro-batch as given)
     rung: Optional[int] = None  # position in a ladder (hydra/sweeper=ladder sets it); the report orders by it
 
 

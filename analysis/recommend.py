@@ -140,19 +140,23 @@ def answers(df: pd.DataFrame, labels: list[str]) -> list[tuple[str, float | None
 
 def recommendation(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
     """One row per card, the largest first: the recommended combination, its micro-batch ×
-    micro-steps, its peak against the card, its step time, and the runners-up."""
+    micro-steps, its longest context (find_seq's answer, where searched), its peak against the
+    card, its step time, and the runners-up."""
     out = []
     for card, capacity, best, rows in answers(df, labels):
         if not best:
             out.append({"Card": card, "Recommended": "nothing fits" + leanest(rows, labels, capacity),
-                        "Micro-batch × steps": "", "Peak (MiB)": "", "Step time (s)": "", "Runners-up": ""})
+                        "Micro-batch × steps": "", "Longest context": "", "Peak (MiB)": "", "Step time (s)": "",
+                        "Runners-up": ""})
             continue
         top = best[0]
         out.append({"Card": card, "Recommended": named(top, labels), "Micro-batch × steps": _split(top),
+                    "Longest context": num(top.get("max_seq_len"), ",.0f"),
                     "Peak (MiB)": _peak(top, capacity), "Step time (s)": _step(top),
                     "Runners-up": "; ".join(briefly(r, labels) for r in best[1:1 + RUNNERS_UP])})
     table = pd.DataFrame(out)
-    return table.drop(columns=[c for c in ("Step time (s)", "Runners-up") if not table[c].astype(bool).any()])
+    empty = [c for c in ("Longest context", "Step time (s)", "Runners-up") if not table[c].astype(bool).any()]
+    return table.drop(columns=empty)
 
 
 def cell(row: pd.Series) -> str:

@@ -218,6 +218,10 @@ def _filled(rows: list[dict], keep: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=[c for c in rows[0] if c in keep or any(r[c] for r in rows)])
 
 
+# A search's answer (find_batch's, find_seq's: the point the row's metrics are of), and where a
+# measured search started (the predictor's answer, beside the probes' own): columns where any row has one.
+SEARCHED = {"max_batch_size": "Max micro-batch", "predicted_max_batch_size": "Predicted max micro-batch",
+            "max_seq_len": "Longest context", "predicted_max_seq_len": "Predicted longest context"}
 # (column, heading, format) of the full table; memory in MiB, times as their names say.
 FULL = (
     (MEMORY, "Peak allocated (MiB)", ",.1f"), ("peak_reserved_mib", "Peak reserved (MiB)", ",.1f"),
@@ -237,14 +241,11 @@ def full(df: pd.DataFrame, labels: list[str], bases: int | pd.Series) -> pd.Data
     # an option key the row's option does not have: empty; a run key as typed (gpu_memory_gib 8, null)
     out = pd.DataFrame({c: df[c].map(lambda v: "" if pd.isna(v) else spelled(v)) if "." in c else df[c].map(spelled)
                         for c in labels}, index=df.index)
-    if "max_batch_size" in df and df["max_batch_size"].notna().any():  # find_batch's answer, which
-        # is also the micro-batch the row's metrics are of
-        out["Max micro-batch"] = [num(v, ".0f") for v in df["max_batch_size"]]
+    for column, heading in SEARCHED.items():
+        if column in df and df[column].notna().any():
+            out[heading] = [num(v, ",.0f") for v in df[column]]
     if differ_in_training(df):  # an adapter's rows against full training's: what each trains
         out["Trainable"] = [trainable(r) for r in df.reindex(columns=["trainable_params", "params"]).to_dict("records")]
-    if "predicted_max_batch_size" in df and df["predicted_max_batch_size"].notna().any():
-        # where a measured search started: the predictor's answer, beside the probes' own
-        out["Predicted max micro-batch"] = [num(v, ".0f") for v in df["predicted_max_batch_size"]]
     ok = df["status"] == "ok"
     for column, heading, fmt in FULL:
         values = df[column] if column in df else pd.Series(float("nan"), index=df.index)

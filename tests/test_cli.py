@@ -22,8 +22,8 @@ METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_p
            "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
            "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
            "gpu_util_pct_std", "compile_s", "skipped_steps", "traced_step_oom", "diverged_at_step", "loss_scale", "loss_first", "loss_final", "eval_loss", "loss_floor",
-           "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch", "params",
-           "trainable_params"}
+           "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch", "max_seq_len",
+           "predicted_max_seq_len", "find_seq", "params", "trainable_params"}
 ENV = {"torch", "cuda", "gpu_name", "gpu_total_mib", "emulated_gpu_mib", "driver", "world_size", "hostname", "git_sha", "python",
        "slurm_job_id", "cuda_visible_devices", "cpus", "cpu_threads"}
 CHOICES = set(GROUPS)  # one choice per group of the registry (ablate/groups.py)
