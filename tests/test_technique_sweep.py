@@ -17,7 +17,10 @@ from helpers import CONF, FAST, ROOT, results_under
 SWEPT = tuple(g for g in TECHNIQUE_GROUPS if g != "parallel")
 # On a CPU these can only be invalid rows, each for a stated reason.
 EXPECTED_INVALID = {("offload", "optimizer"): "needs a CUDA device",
-                    ("optimizer", "adamw_fp8"): "compute capability >= 8.9", ("precision", "fp8"): "compute capability >= 8.9"}
+                    ("optimizer", "adamw_fp8"): "compute capability >= 8.9", ("precision", "fp8"): "compute capability >= 8.9",
+                    ("loss", "liger"): "on a CUDA GPU; device=cpu has none",
+                    ("loss", "cce"): "loss.impl=torch_compile is its CPU path",
+                    ("kernels", "liger"): "kernels=liger takes transformers' Llama family"}
 # Longer sequences for recompute, so that activations, not optimizer states, make the peak.
 EXTRA = {"checkpoint": ["seq_len=32", "batch_size=16"]}
 # Swept under -m slow: the optimizer group's options from other packages beyond bitsandbytes and
