@@ -26,6 +26,7 @@ class Techniques:
         for group, option in options.items():
             option.family = model  # where its layers are, for an option that treats them apart (Muon)
             setattr(self, group, option)
+        model.attn_implementation = self.attention.implementation  # the attention the family builds
 
     @classmethod
     def of(cls, spec: RunSpec) -> "Techniques":
@@ -110,6 +111,10 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
     # 1b. Layers swapped for another number format (fp8) on the bare model, before recompute
     #     wrappers and compile see them (torchtitan's order).
     model = t.precision.convert(model, adapter)
+    # 1c. Modules swapped for fused kernels, then MLPs tiled over the sequence, on the bare layers,
+    #     before a recompute wrapper hides them (a recomputed layer then tiles again).
+    model = t.kernels.apply(model, adapter)
+    model = t.tiling.apply(model, adapter)
     # 2. Recompute wrappers go on the bare layers, before compile and any parallel wrapper hide them.
     model = t.checkpoint.apply(model, adapter)
     # 3. Compile the wrapped model before the parallel wrap (torchtitan's order), so DDP/FSDP

@@ -38,6 +38,9 @@ REGISTRY = (
     Group("parallel", off="single", fallback=("ddp",), removable=True, order=4),
     Group("loss", off="standard", removable=True, order=6),
     Group("peft", off="none", removable=True, order=7),
+    Group("attention", off="sdpa", order=8),
+    Group("tiling", off="none", removable=True, order=9),
+    Group("kernels", off="none", removable=True, order=10),
 )
 BY_NAME = {g.name: g for g in REGISTRY}
 GROUPS = tuple(g.name for g in REGISTRY)  # result.json's `choices`, in this order

@@ -18,7 +18,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     micro = t.accumulation.split(x, y)
     total = torch.zeros((), device=device)
     for i, (xb, yb) in enumerate(micro):
-        with t.parallel.sync(model, last_micro_step=i == len(micro) - 1):
+        # The attention kernel for forward and backward both: a recompute in backward runs the same one.
+        with t.parallel.sync(model, last_micro_step=i == len(micro) - 1), t.attention.context(device.type):
             with t.precision.autocast(device.type), t.offload.context(device.type):
                 loss = model(xb, yb)[1]  # logits (B, T, vocab) are not kept alive through backward
             loss = loss / len(micro)  # gradients of the micro-steps add up to the batch mean
@@ -46,7 +47,7 @@ def evaluate(model: nn.Module, data: TokenData, batch_size: int, t: Techniques,
     with torch.compiler.set_stance("force_eager"):
         for x, y in itertools.islice(data.eval_batches(batch_size), batches):
             for xb, yb in t.accumulation.split(x, y):
-                with t.precision.autocast(device.type):
+                with t.precision.autocast(device.type), t.attention.context(device.type):
                     _, loss = model(xb.to(device), yb.to(device))
                 total += loss.item() * len(xb)
                 count += len(xb)

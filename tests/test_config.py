@@ -18,9 +18,10 @@ from ablate.techniques import Invalid
 from helpers import CONF, ROOT, compose_config, compose_spec
 
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
-# GPU kernel libraries, invalid with the defaults (a CPU or fp32, GPT-2, or the `kernels` extra not
-# installed): tests/test_kernel_options.py checks them in their own setting.
-NOT_WITH_THE_DEFAULTS = {("loss", "liger"), ("loss", "cce"), ("kernels", "liger")}
+# GPU kernels, invalid with the defaults (a CPU or fp32, GPT-2, or the `kernels` extra not installed):
+# tests/test_kernel_options.py and tests/test_attention.py check them in their own setting.
+NOT_WITH_THE_DEFAULTS = {("loss", "liger"), ("loss", "cce"), ("kernels", "liger"), ("attention", "flash"),
+                         ("attention", "efficient"), ("attention", "cudnn"), ("attention", "flex")}
 
 
 def test_every_group_has_its_baseline_option():

@@ -264,13 +264,13 @@ def test_what_a_family_cannot_do_is_invalid_and_names_the_key():
     # Gemma 2 has no sdpa kernel in transformers; the eager one trains
     gemma2 = ["model=hf", "+model.config.model_type=gemma2", *(f"+{k}" for k in _GQA), "+model.config.head_dim=16",
               "+model.config.num_hidden_layers=2", "+model.config.vocab_size=128"]
-    assert refused(*gemma2) == ("model.attn_implementation=sdpa: transformers' Gemma2ForCausalLM has no sdpa "
-                                "attention; use model.attn_implementation=eager")
-    eager = train_nano([*gemma2, "data.vocab_size=128", "model.attn_implementation=eager"], steps=3)[0]
+    assert refused(*gemma2) == ("attention=sdpa: transformers' Gemma2ForCausalLM has no sdpa "
+                                "attention; use attention=eager")
+    eager = train_nano([*gemma2, "data.vocab_size=128", "attention=eager"], steps=3)[0]
     assert eager[-1] < eager[0]
     # logits changed after the head: Gemma 2's softcapped always, Granite's divided when told to be
     assert "model_type='gemma2': its forward changes the head's output" in refused(
-        *gemma2, "model.attn_implementation=eager", "loss=chunked")
+        *gemma2, "attention=eager", "loss=chunked")
     assert "model.config.logits_scaling=8.0 changes them after it: use loss=standard" in refused(
         *tiny("granite", "+model.config.logits_scaling=8.0", "loss=fused"))
     assert "model.config.model_type='vit' is not a causal LM in transformers" in refused(

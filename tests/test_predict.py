@@ -167,28 +167,31 @@ def test_a_compiled_cuda_step_drops_the_eager_losss_fp32_tensors(vocab, per_logi
 def test_fp32_grouped_query_attention_on_cuda_keeps_sdpas_math_backends_probabilities():
     """On CUDA, SDPA with grouped-query heads in fp32 has no fused kernel (flash and cuDNN take
     16-bit, the memory-efficient kernel no grouped heads): the math backend keeps the softmax's
-    (B, heads, T, T) output and q, k, v widened to every head, in place of the log-sum-exp. The
-    fp32 Mixtral row of benchmarks/results/NVIDIA-H200/moe.md measured it (5.9% over the fused-kernel
-    figure, +0.5% with the math backend: tests/test_predict_records.py). Nothing changes in 16-bit,
-    without grouped heads, or on a CPU, whose flash kernel takes fp32 and grouped heads. Sizes: that
-    row's Mixtral, 4 x 512 tokens."""
-    from ablate.predict.layers import arch_of, layer_saves, math_sdpa
+    (B, heads, T, T) output and its own copies of q, k and v widened to every head, in place of
+    q, k, v and the log-sum-exp. The fp32 Mixtral row of benchmarks/results/NVIDIA-H200/moe.md
+    measured it (5.9% over the fused-kernel figure; -0.1% with the math backend's:
+    tests/test_predict_records.py). Nothing changes in 16-bit, without grouped heads, or on a CPU,
+    whose flash kernel takes fp32 and grouped heads. Sizes: that row's Mixtral, 4 x 512 tokens."""
+    from ablate.predict.layers import Attention, arch_of, layer_saves
     from ablate.techniques import checkpoint as ckpt
+    from ablate.techniques.attention import FUSED, MATH, Sdpa
 
     mixtral = ["model=mixtral-8x7b", "model.config.num_hidden_layers=2", "model.config.hidden_size=1024",
                "model.config.intermediate_size=2048", "batch_size=4", "seq_len=512"]
     a = arch_of(build_model_family(mixtral))
     assert (a.heads, a.kv_heads, a.head_dim) == (32, 8, 32)
-    assert math_sdpa(a, "cuda", 4) and not math_sdpa(a, "cuda", 2) and not math_sdpa(a, "cpu", 4)
+    sdpa = Sdpa()
+    assert sdpa.saves(a, "cuda", 4) == MATH and sdpa.saves(a, "cuda", 2) == sdpa.saves(a, "cpu", 4) == FUSED
     sb, heads_t = 4 * 512, 4 * 32 * 512
-    fused, math = (layer_saves(a, ckpt.NoCheckpoint(), 0, sb, 4, 4, 4, seq)[0] for seq in (0, 512))
-    # (probabilities 128 MiB + scaled q, widened k and v 8 MiB each) - the log-sum-exp, per layer
-    assert math - fused == heads_t * 512 * 4 + 3 * heads_t * 32 * 4 - heads_t * 4
+    fused, math = (layer_saves(a, ckpt.NoCheckpoint(), 0, sb, 4, 4, 4, Attention(kind, 512))[0] for kind in (FUSED, MATH))
+    # (probabilities 128 MiB + q, widened k and v 8 MiB each) - (q, k, v 12 MiB and the log-sum-exp), per layer
+    q, kv = heads_t * 32 * 4, heads_t // 4 * 32 * 4
+    assert math - fused == heads_t * 512 * 4 + 3 * q - (q + 2 * kv) - heads_t * 4
     cuda, cpu = (analytic(compose_spec([*mixtral, "precision=fp32", f"device={d}"])) for d in ("cuda", "cpu"))
     assert cuda.category_max_mib["activations"] - cpu.category_max_mib["activations"] == pytest.approx(
         2 * (math - fused) / 2**20, abs=1)
     olmoe = arch_of(build_model_family(["model=olmoe-1b-7b"]))  # 16 query and 16 key/value heads
-    assert not math_sdpa(olmoe, "cuda", 4)
+    assert sdpa.saves(olmoe, "cuda", 4) == FUSED
 
 
 def build_model_family(overrides: list[str]):

@@ -26,6 +26,12 @@ KNOWN = {
     # say (benchmarks/results/NVIDIA-H200/gpt2_xl_8gib.md, the gpt2_xl_8gib_session3 runs). To be
     # measured again.
     "NVIDIA-H200/gpt2_xl_8gib_session3": 0.035,
+    # 8-bit AdamW in backward, gpt2-xl on 8 GiB under block recompute, -2.8%: measured before the same
+    # mend (98 MiB here), and predicted since with GPT-2's MLP backward net of GELU's output, which
+    # c_proj's backward frees before GELU's (CPU MemTracker at 4,096 tokens: exact; +14% before).
+    # The other 100 MiB: each weight's in-backward step runs as soon as its gradient is made, beside
+    # the MLP's input gradients, where the model plays the steps after them. To be measured again.
+    "NVIDIA-H200/gpt2_xl_8gib": 0.03,
     # gpt2 at micro-batch 64 x 1024, bf16 autocast, loss=fused, compile=true, -4.3% (1,212 MiB):
     # measured before the same mend, which is 785 MiB at this size (2 bytes per logit of one
     # slice of 8,192 tokens x 50,257). The other 427 MiB: no snapshot came back. To be measured again.

@@ -20,7 +20,9 @@ EXPECTED_INVALID = {("offload", "optimizer"): "needs a CUDA device",
                     ("optimizer", "adamw_fp8"): "compute capability >= 8.9", ("precision", "fp8"): "compute capability >= 8.9",
                     ("loss", "liger"): "on a CUDA GPU; device=cpu has none",
                     ("loss", "cce"): "loss.impl=torch_compile is its CPU path",
-                    ("kernels", "liger"): "kernels=liger takes transformers' Llama family"}
+                    ("kernels", "liger"): "kernels=liger takes transformers' Llama family",
+                    **{("attention", k): "needs a CUDA GPU, and device=cpu has none"
+                       for k in ("flash", "efficient", "cudnn", "flex")}}
 # Longer sequences for recompute, so that activations, not optimizer states, make the peak.
 EXTRA = {"checkpoint": ["seq_len=32", "batch_size=16"]}
 # Swept under -m slow: the optimizer group's options from other packages beyond bitsandbytes and

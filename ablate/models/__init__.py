@@ -86,6 +86,10 @@ class Family(Option, abc.ABC):
     """A model option. Subclasses build one family's model from their config keys."""
 
     name: str
+    # The attention the model is built with (the attention group's `implementation`, which
+    # ablate.build.Techniques sets): sdpa, eager, or flex_attention where the family has it.
+    attn_implementation = "sdpa"
+    has_flex_attention = False
 
     @property
     @abc.abstractmethod

@@ -65,7 +65,7 @@ class GPT2(Family):
         return ADAPTER
 
     def build(self) -> nn.Module:
-        return GPTModule(self.config)
+        return GPTModule(dataclasses.replace(self.config, attention=self.attn_implementation))
 
     def arch(self):
         from ablate.predict.layers import Arch
@@ -80,7 +80,7 @@ class GPT2(Family):
 
     def with_layers(self, n: int) -> nn.Module:
         """Every block is the same Block of the same config: n of them stand for any number."""
-        return GPTModule(dataclasses.replace(self.config, n_layer=n))
+        return GPTModule(dataclasses.replace(self.config, n_layer=n, attention=self.attn_implementation))
 
     def flops_params(self) -> int:
         """The padded rows of the head (pad_vocab_to) are no token's: work, but not the model's."""

@@ -30,6 +30,7 @@ class GPTConfig:
     # head's matmuls and each logits row are aligned (50,257 is odd; 64 gives llm.c's 50,304). The
     # padded rows are zero and never a token: logits and the loss still cover vocab_size exactly.
     pad_vocab_to: int = 1
+    attention: str = "sdpa"  # sdpa | eager: nanoGPT's plain-ops path, which keeps the (T, T) probabilities
 
     @property
     def padded_vocab(self) -> int:
@@ -58,18 +59,30 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.eager = cfg.attention == "eager"
+        if self.eager:  # not a buffer: no state_dict key, and meta builds need no values for it
+            self.attn_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hs)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        # SDPA picks flash / memory-efficient kernels on GPU: no (T, T) attention matrix is stored.
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.eager:
+            y = self.attn_dropout(_causal_softmax(q @ k.transpose(-2, -1) * (1.0 / math.sqrt(k.size(-1))))) @ v
+        else:  # SDPA picks flash / memory-efficient kernels on GPU: no (T, T) attention matrix is stored.
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def _causal_softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Row-wise softmax of (B, heads, T, T) scores over the keys at or before each query."""
+    T = scores.size(-1)
+    future = torch.ones(T, T, dtype=torch.bool, device=scores.device).triu_(1)
+    return F.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
 
 
 class MLP(nn.Module):

@@ -132,9 +132,9 @@ class HFCausalLM(Family):
     `init_from` names a local directory of safetensors weights. `name` labels the rows."""
 
     def __init__(self, name: str = "hf", config: dict | None = None, config_path: str | None = None,
-                 init_from: str | None = None, attn_implementation: str = "sdpa"):
+                 init_from: str | None = None):
         self.name, self.config_path, self.init_from = name, config_path, init_from
-        self.overrides, self.attn_implementation = dict(config or {}), attn_implementation
+        self.overrides = dict(config or {})
         self._hf_config = None
 
     @property
@@ -193,8 +193,8 @@ class HFCausalLM(Family):
                           f"model.config.num_attention_heads={heads}")
         family = _causal_lm_class(c)
         if self.attn_implementation == "sdpa" and getattr(family, "_supports_sdpa", True) is False:
-            raise Invalid(f"model.attn_implementation=sdpa: transformers' {family.__name__} has no sdpa attention; "
-                          f"use model.attn_implementation=eager")
+            raise Invalid(f"attention=sdpa: transformers' {family.__name__} has no sdpa attention; "
+                          f"use attention=eager")
         why = plan.chunked_loss and c.model_type not in PLAIN_HEAD and head_is_not_plain(c, self.attn_implementation)
         if why:
             raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
@@ -248,11 +248,13 @@ class HFCausalLM(Family):
         except ValueError as e:  # a kernel the family does not support (Gemma 2 and sdpa)
             if "attention implementation" not in str(e) and "attn_implementation" not in str(e):
                 raise
-            raise Invalid(f"model.attn_implementation={self.attn_implementation}: "
-                          f"{str(e).splitlines()[0].split('. ')[0]} (valid: sdpa, eager)") from None
+            option = {"flex_attention": "flex"}.get(self.attn_implementation, self.attn_implementation)
+            raise Invalid(f"attention={option}: {str(e).splitlines()[0].split('. ')[0]} "
+                          f"(attention=sdpa,eager)") from None
         return HFModule(lm)
 
     uses_transformers = True
+    has_flex_attention = True
 
     def arch(self):
         from ablate.predict.layers import hf_arch

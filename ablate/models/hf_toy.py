@@ -93,7 +93,7 @@ def head_is_not_plain(config, attn_implementation: str = "sdpa") -> str | None:
     """None where `config`'s family makes its logits as lm_head(base model's last hidden states),
     which loss=chunked and loss=fused compute for themselves (ablate/models/hf.py HFModule); else
     why not, in a few words. Checked on a toy copy of the config, in fp32 on the CPU, with the
-    global random state left as it was; its attention the run's (`model.attn_implementation`)."""
+    global random state left as it was; its attention the run's (the attention group's)."""
     return _probe(config.to_json_string(), attn_implementation)
 
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 # Wrapper modules that only hold the real one (checkpoint, compile, FSDP1): left out of a name, so
 # `transformer.h.0` names the block with or without them. DDP's `module.` prefix goes too.
-WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "_tiled_module")
 
 
 def bare_name(name: str, model: nn.Module) -> str:

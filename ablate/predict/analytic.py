@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from ablate.build import Techniques
 from ablate.models import param_change
 from ablate.predict import Prediction
-from ablate.predict.adapters import Training, recompute_grads, unfed
-from ablate.predict.layers import (Arch, arch_of, attention_saves, forward_temp, inner_temp, layer_saves, math_sdpa,
-                                   mlp_saves)
+from ablate.predict.adapters import FULL, Training, recompute_grads, unfed
+from ablate.predict.layers import (Arch, Attention, arch_of, attention_saves, attention_temps, eager_mask, forward_temp,
+                                   inner_temp, layer_saves, mlp_saves)
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 
@@ -213,15 +213,34 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
     tr = _training(t)
     sizes.inner_temp = inner_temp(a, sb, c, r, _grad_bytes(t), tr)
+    if _fsdp(t) and a.kind == "gpt2" and tr == FULL:  # GELU's output outlives c_proj's backward in an FSDP
+        sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
     sizes.forward_temp = forward_temp(a, sb, r, c, tr)
     sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
     sizes.mlp_saved = mlp_saves(a, sb, r, c, ln, tr)
-    seq = shapes.s if math_sdpa(a, device, c) else 0  # SDPA's math backend keeps (T, T) probabilities
-    sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, seq, tr) for i in range(shapes.layers)]
+    at = Attention(t.attention.saves(a, device, c), shapes.s,
+                   # CUDA's autocast runs softmax in fp32; CPU's leaves it in the scores' dtype
+                   fp32_softmax=a.kind == "llama" or bool(t.precision.autocast_dtype) and device == "cuda")
+    if at.kind != "fused" and t.checkpoint.saves_op_outputs:
+        raise Unmodelled(f"no analytic memory model for selective op recompute over {at.kind} attention's (T, T) ops")
+    tiled = t.tiling.tiles_mlp
+    if tiled:  # one slice's MLP at a time, recomputed and differentiated in backward beside the
+        # slices' input gradients made so far (one (B, T, h) at most); at the end those gradients
+        # joined, or in forward the slices' outputs and their concatenation: two (B, T, h)
+        n = t.tiling.mlp_chunks(shapes.s, a.hidden)
+        sizes.inner_temp = max(shapes.sbh * c + (sizes.inner_temp + sizes.mlp_saved) / n, 2 * shapes.sbh * c)
+        sizes.mlp_saved = 0.0
+    sizes.attn_saved = attention_saves(a, sb, r, c, ln, at) if at.kind != "fused" else 0.0
+    # RMSNorm's backward in fp32: the gradient of its normalised input and of its fp32 input, two
+    # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
+    # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
+    sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
+    sizes.attn_forward_temp, sizes.attn_backward_temp = attention_temps(a, sb, c, ln, at)
+    sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient
         saved, full = sizes.blocks[0]
-        dead = unfed(a, sb, r, c, ln, tr, attention_saves(a, sb, r, c, ln))
+        dead = unfed(a, sb, r, c, ln, tr, attention_saves(a, sb, r, c, ln, at))
         # kept (not recomputed): not even the input itself, which nothing before an adapter keeps
         sizes.blocks[0] = (max(saved - dead - shapes.sbh * r, 0.0) if saved else 0.0, full - dead)
     # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).
@@ -234,6 +253,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.embed_temp = shapes.sbh * r + shapes.s * shapes.h * r
     else:  # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
         sizes.rotary = 2 * shapes.s * a.head_dim * r
+    if t.checkpoint.wraps_attention:  # a recompute wrapper keeps its inputs, the mask among them
+        sizes.rotary += eager_mask(a, shapes.b, shapes.s, c, at)
     # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the
     # copy until forward ends, and the matmul saves it for backward. FSDP's mixed precision
     # gathers parameters already in that dtype, so nothing is cast there.
@@ -268,7 +289,8 @@ def _fp8_weights(t: Techniques) -> int:
 # The groups whose options this model asks its questions of, each in its own terms (an optimizer its
 # state bytes, a checkpoint option what a layer keeps, ...). An option of any other group has told
 # it nothing: a point with one is predicted by the trace instead, never without that group's bytes.
-ASKED = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer", "loss", "peft")
+ASKED = ("precision", "accumulation", "checkpoint", "offload", "parallel", "optimizer", "loss", "peft", "attention",
+         "tiling", "kernels")
 
 
 def _asked(t: Techniques) -> None:
@@ -282,6 +304,7 @@ def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
     ablate/predict/step_time.py, reads the same)."""
     t = Techniques.of(spec)
     _asked(t)
+    t.kernels.fused_parts()  # fused kernels raise Unmodelled: their saved tensors are not the layer model's
     device = "cpu" if spec.device == "cpu" else "cuda"  # auto: the GPU the user plans on
     shapes = _shapes_of(spec, t)
     sizes = _sizes(t, shapes, device)

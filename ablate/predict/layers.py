@@ -18,10 +18,16 @@ dtype, fp32 under autocast, the compute dtype under FSDP's mixed precision); `c`
 dtype (what Linear, SDPA and the activation produce); `ln` of what a norm keeps of its input: the
 input itself (r), or a 4-byte copy when CUDA autocast runs LayerNorm in fp32 on a 16-bit stream
 (RMSNorm always upcasts: 4).
-Attention is SDPA everywhere: no (T, T) score matrix is stored, and its output is laid out (B, T,
-heads, head_dim) already, so the output projection keeps that very tensor as its input. The one
-exception is `math_sdpa`: where no fused CUDA kernel takes the call, SDPA's math backend keeps
-the (T, T) probabilities.
+What attention keeps is the attention option's answer (ablate/techniques/attention.py `saves`):
+- FUSED (a flash, memory-efficient or cuDNN kernel, CPU's flash): its output and a log-sum-exp per
+  query and head; no (T, T) matrix. Its output is laid out (B, T, heads, head_dim) already, so the
+  output projection keeps that very tensor as its input.
+- MATH (SDPA's math backend): the softmax's (B, heads, T, T) output and its own copies of q, k and
+  v (scaled, widened to every query head, contiguous), all in fp32 when the inputs are 16-bit (it
+  upcasts them for accuracy); q, k and v themselves are then kept by nothing.
+- EAGER (the family's own plain ops): the probabilities, and q, k and v as the matmuls take them;
+  transformers' softmax runs in fp32 and casts back (both kept), ablate's GPT-2 keeps its (T, T)
+  causal mask.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from ablate.predict import adapters
 from ablate.predict.adapters import FULL, Training
 from ablate.predict.timeline import Unmodelled
+from ablate.techniques.attention import EAGER, FUSED, MATH
 
 # Mixtures of experts as transformers 5 writes them, and the config key of one expert's width
 MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe": "moe_intermediate_size",
@@ -97,19 +104,21 @@ def _moe_sizes(hf) -> dict:
             "fp32_routing": kind == "mixtral"}
 
 
-def math_sdpa(a: Arch, device: str, c: int) -> bool:
-    """Whether SDPA runs its math backend, on CUDA, for this layer: grouped-query heads (transformers
-    passes enable_gqa=True where there is no mask and head_dim <= 256) in fp32. Flash and cuDNN take
-    16-bit inputs only, and the memory-efficient kernel refuses grouped-query heads (torch's
-    sdp_utils.cpp). CPU's flash kernel takes both. fp32 Mixtral at 4 x 512 tokens measured 5.9% over
-    the fused-kernel prediction (benchmarks/results/NVIDIA-H200/moe.md)."""
-    return device == "cuda" and c == 4 and a.kind == "llama" and a.kv_heads < a.heads and a.head_dim <= 256
+@dataclass(frozen=True)
+class Attention:
+    """What a layer's attention keeps: FUSED, MATH or EAGER (the attention option's `saves`), and
+    the sequence length, which the (T, T) matrices of the last two scale with."""
+
+    kind: str = FUSED
+    seq: int = 0
+    fp32_softmax: bool = False  # an eager softmax in fp32 over 16-bit scores (transformers' always; autocast's)
 
 
-def _full(a: Arch, sb: int, r: int, c: int, ln: int, seq: int, tr: Training = FULL) -> tuple[float, dict]:
-    """The layout's (bytes kept, parts); `seq`: the sequence length where SDPA runs its math backend,
-    else 0; `tr`: what of the layer trains."""
-    full, parts = _llama(a, sb, r, c, ln, seq) if a.kind == "llama" else _FULL[a.kind](a, sb, r, c, ln)
+def _full(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention, tr: Training = FULL) -> tuple[float, dict]:
+    """The layout's (bytes kept, parts); `at`: what attention keeps; `tr`: what of the layer trains."""
+    if a.kind == "neox" and at.kind != FUSED:
+        raise Unmodelled(f"no analytic memory model for gpt_neox's attention with {at.kind} kernels")
+    full, parts = _FULL[a.kind](a, sb, r, c, ln, at)
     if tr == FULL:
         return full, parts
     change = adapters.change(a, sb, r, c, tr)
@@ -117,13 +126,16 @@ def _full(a: Arch, sb: int, r: int, c: int, ln: int, seq: int, tr: Training = FU
     return full + sum(change.values()), parts
 
 
-def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, seq: int = 0,
-                tr: Training = FULL) -> tuple[float, float]:
+def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, at: Attention = Attention(),
+                tr: Training = FULL, tiled_mlp: bool = False) -> tuple[float, float]:
     """(bytes layer `index` keeps for backward beyond its input under checkpoint `option`, bytes it
     keeps without recompute). Its input is the previous layer's output, counted there as r·sbh.
-    `seq`: the sequence length where SDPA runs its math backend (`math_sdpa`), else 0; `tr`: what
-    of the layer trains."""
-    full, parts = _full(a, sb, r, c, ln, seq, tr)
+    `at`: what attention keeps; `tr`: what of the layer trains; `tiled_mlp`: the MLP runs in
+    recomputed slices (tiling=mlp), so it keeps nothing but its input, which its norm makes."""
+    full, parts = _full(a, sb, r, c, ln, at, tr)
+    if tiled_mlp:  # the slices' checkpoints keep the norm's output (r) in place of the MLP's casts of it
+        full += sb * a.hidden * r - parts["mlp_input"] - parts["mlp"]
+        parts = {**parts, "matmul": parts["matmul"] - parts["mlp_matmul"], "mlp": 0.0, "mlp_matmul": 0.0}
     kept = getattr(option, "kept", None)
     if kept is None:
         raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__} (it has no kept())")
@@ -133,29 +145,47 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, s
     return saved, full
 
 
-def attention_saves(a: Arch, sb: int, r: int, c: int, ln: int) -> float:
+def attention_saves(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention()) -> float:
     """Bytes a fully trained layer's attention keeps for backward."""
-    return _full(a, sb, r, c, ln, 0)[1]["attn"]
+    return _full(a, sb, r, c, ln, at)[1]["attn"]
 
 
 def mlp_saves(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training = FULL) -> float:
     """Bytes a layer's MLP keeps for backward (freed as soon as the MLP's backward is done)."""
-    return _full(a, sb, r, c, ln, 0, tr)[1]["mlp"]
+    return _full(a, sb, r, c, ln, Attention(), tr)[1]["mlp"]
 
 
-def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
+def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[float, dict]:
     """In units of s·b·h: ln_1 out 1c, qkv 3c (q, k, v are views of it), SDPA out 1c, x + attn 1ln
     (kept by ln_2), ln_2 out 1c, c_fc out 4c, GELU out 4c = 15, plus its input (ln_1 keeps its
     own copy when ln != r, and the input then dies with the block: hence ln - r more); LayerNorm
-    mean and rstd (2·s·b fp32 each LayerNorm) and SDPA's log-sum-exp (s·b·heads fp32)."""
+    mean and rstd (2·s·b fp32 each LayerNorm) and SDPA's log-sum-exp (s·b·heads fp32).
+    The math backend and the eager path keep, in place of qkv and the log-sum-exp, their own
+    copies of q, k and v and the (B, heads, T, T) probabilities (`_scores`); eager its (T, T)
+    mask too."""
     sbh = sb * a.hidden
     stats, lse = 2 * 2 * sb * 4, sb * a.heads * 4
-    full = (1 + 3 + 1 + 1 + 4 + 4) * sbh * c + sbh * ln + sbh * (ln - r) + stats + lse
-    return full, {"attn": 4 * sbh * c + lse, "mlp": 8 * sbh * c, "norm": stats,
-                  "matmul": (3 + 1 + 4 + 1 + 1) * sbh * c + lse}
+    sdpa, sdpa_matmul = (3 * sbh * c + lse, lse) if at.kind == FUSED else _scores(a, sb, c, at, mask=at.seq ** 2)
+    full = (1 + 1 + 1 + 4 + 4) * sbh * c + sdpa + sbh * ln + sbh * (ln - r) + stats
+    return full, {"attn": sbh * c + sdpa, "mlp": 8 * sbh * c, "norm": stats,
+                  "matmul": (3 + 1 + 4 + 1 + 1) * sbh * c + sdpa_matmul, "mlp_matmul": 5 * sbh * c,
+                  "mlp_input": sbh * c}
 
 
-def _llama(a: Arch, sb: int, r: int, c: int, ln: int, seq: int = 0) -> tuple[float, dict]:
+def _scores(a: Arch, sb: int, c: int, at: Attention, mask: float = 0) -> tuple[float, float]:
+    """(bytes the math backend or an eager path keeps of attention beyond its output, what of it
+    selective op recompute keeps: the scores' matmul output, as large as the probabilities).
+    Math: q, k and v copies widened to every query head and the probabilities, in fp32 for 16-bit
+    inputs. Eager: the same in the compute dtype, transformers' fp32 softmax output beside its
+    16-bit cast; `mask`: bytes of a causal mask a layer keeps."""
+    q, probs = sb * a.heads * a.head_dim, sb * a.heads * at.seq
+    if at.kind == MATH:
+        return 3 * q * 4 + probs * 4 if c != 4 else 3 * q * c + probs * c, probs * (4 if c != 4 else c)
+    softmax = probs * 4 + probs * c if at.fp32_softmax and c != 4 else probs * c
+    return 3 * q * c + softmax + mask, probs * c
+
+
+def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention()) -> tuple[float, dict]:
     """RMSNorm (transformers' LlamaRMSNorm) upcasts its input to fp32 and keeps it, the rsqrt
     (s·b fp32) and the normalised input in the input dtype; its output goes on to the
     projections. Attention keeps q and k after rotary (new tensors: q·cos + rotate_half(q)·sin
@@ -166,15 +196,14 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, seq: int = 0) -> tuple[flo
     Per layer: ln_1's fp32 input (a copy when r != 4: the layer input then dies), normalised and
     output; attention; x + attn in fp32 (kept by ln_2: itself when r == 4, else a copy); ln_2's
     normalised and output; the MLP (or a mixture of experts: `_experts`).
-    SDPA's math backend (`seq` > 0, `math_sdpa`) keeps, in place of the log-sum-exp, the scaled q,
-    k and v widened to every query head, and the softmax's (B, heads, T, T) output; under ops
-    recompute, the scores' matmul output (as large) in place of the log-sum-exp."""
+    The math backend and the eager path keep, in place of q, k, v and the log-sum-exp, their own
+    copies and the probabilities (`_scores`); under ops recompute, the scores' matmul output (as
+    large) in place of the log-sum-exp."""
     sbh, q, kv = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.kv_heads * a.head_dim
     lse, rsqrt = sb * a.heads * 4, sb * 4
-    probs = sb * a.heads * seq * c  # (B, heads, T, T): s·b·heads·T
-    sdpa, sdpa_matmul = (3 * q * c + probs, probs) if seq else (lse, lse)
+    sdpa, sdpa_matmul = ((q + 2 * kv) * c + lse, lse) if at.kind == FUSED else _scores(a, sb, c, at)
     norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
-    attn = (q + 2 * kv + q) * c + sdpa  # q, k after rotary; v; SDPA out; lse (or the math backend's)
+    attn = q * c + sdpa  # SDPA out; q, k after rotary, v and the lse (or the math backend's, eager's)
     # q_norm and k_norm (RMSNorm over each head, or OLMoE's over the whole projection): the
     # projection's output in fp32 (itself in fp32, else a copy), the rsqrt (one fp32 per token and
     # head, or per token) and the normalised values in the projection's dtype, which the weight
@@ -198,7 +227,8 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, seq: int = 0) -> tuple[flo
     # input it keeps is one that would have been kept or copied anyway.
     return full, {"attn": attn, "mlp": mlp_recomputed, "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA; the MLP's
-                  "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul}
+                  "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul, "mlp_matmul": mlp_matmul,
+                  "mlp_input": (ln_2_casts if r != c else 1) * sbh * c}
 
 
 def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
@@ -226,6 +256,29 @@ def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
     return experts + router + shared, casts, matmul
 
 
+def attention_temps(a: Arch, sb: int, c: int, ln: int, at: Attention) -> tuple[float, float]:
+    """(bytes made and dropped in an attention's forward beyond what it keeps, ... in its backward
+    beyond what the layer keeps less its MLP's): the (T, T) tensors of the math backend and eager
+    paths, none for a fused kernel's O(T) ones. Forward: the scores beside the probabilities.
+    Backward: the probabilities' gradient and the scores' (the softmax's backward), in the dtype
+    the probabilities are in (fp32 for the math backend's 16-bit inputs); by then the second
+    norm's output and what it keeps of its input are gone too."""
+    if at.kind == FUSED:
+        return 0.0, 0.0
+    probs = sb * a.heads * at.seq * (4 if at.kind == MATH and c != 4 else c)
+    grads = 2 * probs
+    if at.kind == EAGER and at.fp32_softmax and c != 4:  # the fp32 softmax's gradient, cast back by its backward
+        grads = sb * a.heads * at.seq * (4 + c)
+    second_norm = sb * a.hidden * (c + ln + (c if a.kind == "llama" else 0))  # its output, input and normalised input
+    return probs, grads - second_norm
+
+
+def eager_mask(a: Arch, b: int, seq: int, c: int, at: Attention) -> float:
+    """Bytes of the (B, 1, T, T) additive causal mask transformers makes for eager attention, in the
+    compute dtype: an input of every layer, so a recompute wrapper keeps it through backward."""
+    return b * seq * seq * c if at.kind == EAGER and a.kind == "llama" else 0.0
+
+
 def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> float:
     """Made and dropped inside a layer's forward even when it keeps everything (bytes): a mixture
     of experts' routing-weighted outputs, (S, h), and their copy put back in token order (for
@@ -236,9 +289,10 @@ def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> f
 
 
 def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL) -> float:
-    """The MLP's widest tensors alive together inside a layer's forward and backward (bytes), `g`
-    bytes per gradient element: GPT-2's gradients of c_fc's and GELU's outputs (s·b·4h each),
-    Llama's of gate's and up's. A mixture of experts', the largest of (measured on CPU, tiny
+    """The MLP's widest tensors alive together inside a layer's forward and backward beyond what it
+    keeps (bytes), `g` bytes per gradient element: GPT-2's gradients of c_fc's and GELU's outputs
+    (s·b·4h each) less GELU's output, which c_proj's backward has freed by then; Llama's of gate's
+    and up's (the product down_proj kept is gone, its gradient not yet). A mixture of experts', the largest of (measured on CPU, tiny
     Mixtral, Qwen-MoE, OLMoE):
     - where its backward starts, three (S, h) gradients in the dtype the routing weights'
       multiply made (fp32 with Mixtral's fp32 weights): the reordered one, the one before the
@@ -252,10 +306,10 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL) ->
         return max(3 * S * h * weighted, 2 * S * i * r + grads - S * (h + i) * r, 2 * sb * a.shared_inter * c)
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
-    return (1 if a.kind == "neox" else 2) * sb * a.inter * c
+    return (1 if a.kind in ("neox", "gpt2") else 2) * sb * a.inter * c
 
 
-def _neox(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
+def _neox(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[float, dict]:
     """GPT-NeoX with its parallel residual: both LayerNorms read the layer input (kept once, as r;
     each keeps an ln-byte copy when ln != r) and keep their mean and rstd; attention keeps the
     fused qkv output (v is a view of it), q and k after rotary (new whole tensors: the rotated
@@ -269,7 +323,8 @@ def _neox(a: Arch, sb: int, r: int, c: int, ln: int) -> tuple[float, dict]:
     mlp = 2 * sb * a.inter * c
     full = 2 * sbh * c + attn + mlp + 2 * sbh * (ln - r) + 2 * stats
     # qkv, SDPA, dense, the MLP's two projections
-    return full, {"attn": attn, "mlp": mlp, "norm": 2 * stats, "matmul": (3 + 1 + 1 + 1) * sbh * c + lse + sb * a.inter * c}
+    return full, {"attn": attn, "mlp": mlp, "norm": 2 * stats, "matmul": (3 + 1 + 1 + 1) * sbh * c + lse + sb * a.inter * c,
+                  "mlp_matmul": sb * a.inter * c + sbh * c, "mlp_input": sbh * c}
 
 
 _FULL = {"gpt2": _gpt2, "llama": _llama, "neox": _neox}

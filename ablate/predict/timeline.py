@@ -81,6 +81,12 @@ class Sizes:
     recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
+    # An attention that makes (T, T) tensors (math backend, eager): what it keeps, and what it
+    # makes and drops beside that in forward and in backward (ablate/predict/layers.py attention_temps)
+    attn_saved: float = 0.0
+    norm_backward_temp: float = 0.0  # an RMSNorm's fp32 gradients in its backward, beyond what the layer keeps
+    attn_forward_temp: float = 0.0
+    attn_backward_temp: float = 0.0
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time
@@ -151,6 +157,8 @@ class Step(LossPlay):
             self.gather(sizes.block, "activations")
             tl.alloc("activations", sizes.block_cast)
             tl.transient("activations", min(full - saved, sizes.inner_temp))  # made and dropped inside
+            # the scores beside the probabilities, whether the checkpoint keeps them or not
+            tl.transient("activations", sizes.attn_saved + sizes.attn_forward_temp if sizes.attn_forward_temp else 0.0)
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
             tl.transient("activations", sizes.forward_temp)  # with all the layer keeps alive
             if sizes.reshard:
@@ -196,6 +204,11 @@ class Step(LossPlay):
                 early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
                 tl.alloc("activations", back)
+            # after the MLP's backward (its saved tensors gone): the second norm's fp32 gradients, then
+            # attention's (T, T) ones
+            gone = keep(sizes.mlp_saved) - early
+            tl.transient("other", max(sizes.norm_backward_temp - gone, 0.0))
+            tl.transient("other", max(sizes.attn_backward_temp - gone, 0.0))
             for n in self.block_names[i]:
                 self.grad(sizes.grads[n], n)
             kept = keep(saved) + (self.sizes.block_cast if self.keeps_cast(saved) else 0) - early

@@ -35,6 +35,8 @@ class NoCheckpoint(Option):
     # The analytic predictor's questions (ablate/predict/layers.py, analytic.py):
     recompute_with_mlp = True  # a layer's recompute is alive during its MLP's backward (else after it)
     recomputes_final_norm = False  # the final norm is recomputed: it keeps nothing beyond its input
+    wraps_attention = False  # a wrapper takes attention's inputs (a layer, or attention itself), so it keeps them
+    saves_op_outputs = False  # what a layer keeps is chosen op by op (selective op recompute)
 
     def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
         return model
@@ -70,6 +72,8 @@ class Blocks(_Recompute):
     """Recompute every `every_n`-th transformer block in backward instead of storing its
     activations (torchtitan's full / selective-layer AC). Saves: all activations inside those
     blocks but their input, (B, T, C) per block. Spends: one more forward of those blocks."""
+
+    wraps_attention = True
 
     def __init__(self, every_n: int = 1):
         self.every_n = every_n
@@ -112,6 +116,10 @@ class Sublayer(_Recompute):
     @property
     def recompute_with_mlp(self) -> bool:
         return self.part != "attn"
+
+    @property
+    def wraps_attention(self) -> bool:
+        return self.part == "attn"
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         return full - parts[self.part]  # the sub-layer's input (a norm output) is kept
@@ -157,6 +165,7 @@ class SelectiveOps(_Recompute):
     recompute, so recompute_fraction is ~0 (no matmul runs twice)."""
 
     label = "Selective op recompute"
+    wraps_attention = saves_op_outputs = True
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         return parts["matmul"]  # matmul and SDPA outputs kept; norms, adds, activations recomputed
@@ -201,6 +210,10 @@ class Layers(_Recompute):
     @property
     def recomputes_final_norm(self) -> bool:
         return "layernorm" in self.types
+
+    @property
+    def wraps_attention(self) -> bool:
+        return "attention" in self.types
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         saved = full

@@ -1,0 +1,70 @@
+"""Tiled MLP (tiling=mlp, ablate/techniques/tiling.py): the untiled losses, the bare model's
+parameter names, the refusals, and the analytic prediction within 2% of MemTracker at 4,096 tokens,
+where one layer's (tokens x intermediate) tensors are most of the step."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ablate.build import check_config
+from ablate.models.layout import bare_name
+from ablate.predict.analytic import analytic
+from ablate.techniques import Invalid
+from ablate.techniques.tiling import TiledMLP, _Tiles
+from tests.helpers import compose_spec, train_nano
+from tests.test_attention import GPT, LLAMA
+from tests.test_predict import measured
+
+# GPT-2 in 8 slices: at nano's width ALST's rule makes 86, whose steps take 30 s on a CPU
+TINY = {"llama": LLAMA, "gpt2": [*GPT, "model.block_size=4096"]}
+CHUNKS = {"llama": 0, "gpt2": 8}
+LONG = ["data.vocab_size=128", "device=cpu", "batch_size=1", "seq_len=4096"]
+DEFAULT = {("llama", "bf16_pure", "block"), ("llama", "fp32", "none")}
+GRID = [pytest.param(*p, marks=() if p in DEFAULT else pytest.mark.slow)
+        for p in itertools.product(TINY, ["fp32", "bf16_pure", "bf16"], ["none", "block"])]
+
+
+@pytest.mark.parametrize("family,precision,checkpoint", GRID)
+def test_the_prediction_is_within_2_percent_of_memtracker(family, precision, checkpoint):
+    base, overrides = [*TINY[family], *LONG], [f"precision={precision}", f"checkpoint={checkpoint}"]
+    tiled = ["tiling=mlp", f"tiling.chunks={CHUNKS[family]}", *overrides]
+    real = measured(tiled, base=base)
+    pred = analytic(compose_spec([*base, *tiled]))
+    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.02)
+    if checkpoint == "block":  # the MLP's wide tensors were the peak: tiling takes them down
+        assert real.peak_mib < measured(overrides, base=base).peak_mib
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "block", "mlp"])
+def test_the_losses_are_the_untiled_ones(checkpoint):
+    tiled = train_nano(["tiling=mlp", "tiling.chunks=4", f"checkpoint={checkpoint}"], steps=3, seq_len=32)[0]
+    untiled = train_nano([f"checkpoint={checkpoint}"], steps=3, seq_len=32)[0]
+    assert tiled == pytest.approx(untiled, rel=1e-6)
+    assert tiled[-1] < tiled[0]
+
+
+def test_every_mlp_is_tiled_and_the_parameters_keep_their_names():
+    _, model, _, t = train_nano(["tiling=mlp"], steps=1, seq_len=32)
+    _, plain, _, _ = train_nano([], steps=1, seq_len=32)
+    assert all(isinstance(layer.mlp, _Tiles) for layer in t.model.adapter.layer_list(model))
+    assert [bare_name(n, model) for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+def test_slices_as_long_as_the_model_is_wide_unless_told():
+    assert TiledMLP().mlp_chunks(4096, 64) == 64
+    assert TiledMLP().mlp_chunks(100, 64) == 2
+    assert TiledMLP(chunks=8).mlp_chunks(4096, 64) == 8
+    assert TiledMLP(chunks=8).mlp_chunks(4, 64) == 4
+
+
+def test_refusals_name_the_key():
+    with pytest.raises(Invalid, match="tiling.chunks=-1 must be >= 0"):
+        check_config(compose_spec([*GPT, "data.vocab_size=128", "device=cpu", "tiling=mlp", "tiling.chunks=-1"]))
+    with pytest.raises(Invalid, match="tiling.chunks=64 is more than seq_len=16 tokens"):
+        check_config(compose_spec([*GPT, "data.vocab_size=128", "device=cpu", "seq_len=16", "tiling=mlp", "tiling.chunks=64"]))
+    mixtral = ["model=mixtral-8x7b", "model.config.num_hidden_layers=1", "model.config.hidden_size=64",
+               "model.config.intermediate_size=64", "model.config.num_attention_heads=4",
+               "model.config.num_key_value_heads=2", "model.config.vocab_size=128", "data.vocab_size=128"]
+    with pytest.raises(Invalid, match="tiling=mlp: a mixture of experts"):
+        check_config(compose_spec([*mixtral, "device=cpu", "seq_len=16", "tiling=mlp"]))
