@@ -107,6 +107,7 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
     # 1a. Parameters the techniques change (frozen, added), on the bare model, before any wrapper
     #     sees them; the analytic predictor makes the same change on its meta model.
     model = change_params(t)(model)
+    model = t.offload.apply(model, adapter)  # hooks on the bare layers (where each layer's saved tensors begin)
     t.loss.attach(model, adapter)  # before any wrapper: the model's own forward hands its hidden states to the loss
     # 1b. Layers swapped for another number format (fp8) on the bare model, before recompute
     #     wrappers and compile see them (torchtitan's order).

@@ -130,12 +130,19 @@ def test_what_activation_offload_refuses_is_refused_naming_this_option(monkeypat
         OverlappedActivations().check(Plan(device="cuda", batch_size=8, seq_len=16))
 
 
-def test_the_predictor_counts_it_as_activation_offload():
+def test_the_predictor_holds_a_layer_in_forward_and_fetches_the_next_ahead():
+    """Beyond the synchronous offload's peak, at most a layer held on its way out and `prefetch`
+    layers fetched early: between that and no offload at all."""
     option = OverlappedActivations()
     assert option.label == "Overlapped activation offload" and option.activations_on_host
     plan = ["model=gpt2", "device=cuda", "batch_size=8", "seq_len=1024"]
-    overlapped = analytic(compose_spec([*plan, "offload=activations_overlap"]))
-    assert overlapped.peak_mib == analytic(compose_spec([*plan, "offload=activations"])).peak_mib
+    sync, none = (analytic(compose_spec([*plan, f"offload={o}"])).peak_mib for o in ("activations", "none"))
+    one, two = (analytic(compose_spec([*plan, "offload=activations_overlap", f"offload.prefetch={n}"])).peak_mib
+                for n in (1, 2))
+    assert sync < one <= two < none
+    cpu = [*plan[:1], "device=cpu", *plan[2:]]  # the host is the device: nothing moves
+    assert analytic(compose_spec([*cpu, "offload=activations_overlap"])).peak_mib == analytic(
+        compose_spec([*cpu, "offload=none"])).peak_mib
 
 
 @pytest.mark.gpu

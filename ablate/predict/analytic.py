@@ -263,6 +263,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
         sizes.lm_head_cast = (shapes.vocab if t.loss.from_hidden else shapes.padded_vocab) * shapes.h * c
     sizes.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
+    sizes.offload_ahead = t.offload.layers_ahead if sizes.offload_acts else -1
     sizes.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
     sizes.micro_steps, sizes.in_backward = t.accumulation.steps, t.optimizer.in_backward
     sizes.grad_lag = t.optimizer.in_backward and t.optimizer.steps_on_next_gradient

@@ -91,6 +91,9 @@ class Sizes:
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
+    # ... on a side stream: a layer's saved tensors stay on the device until the next layer's
+    # forward, and in backward this many layers' are fetched back ahead of their turn (-1: not overlapped)
+    offload_ahead: int = -1
     compiled: bool = False  # compile=true: inductor's fused cross-entropy (Step.compiled_loss_backward)
     pad_head: bool = False  # ... and, on CUDA, a vocabulary inductor pads for the head's matmuls
     op_temps: bool = True  # temporaries made inside one aten op (logsumexp's shifted logits) count: the
@@ -121,6 +124,7 @@ class Step(LossPlay):
         self.root_names = [n for n in sizes.grads if n not in in_layers]
         self.have_grads = False
         self.pending: tuple[str, float] | None = None  # grad_lag: the gradient the next one's arrival steps
+        self.copying = 0.0  # offload_ahead: the last layer's saved tensors, still on the device
 
     def keeps_cast(self, saved: float) -> bool:
         """Whether a block's cast weights stay on the device from its forward to its backward:
@@ -153,6 +157,7 @@ class Step(LossPlay):
         # Embedding outputs (x0 = wte(idx) + wpe(pos) with learned positions): the residual stream (B, T, C).
         tl.transient("activations", sizes.embed_temp)
         tl.alloc("activations", keep(sbh * r) + sizes.rotary)
+        copying = 0.0  # the previous layer's saved tensors, on their way to the host (offload_ahead)
         for saved, full in sizes.blocks:
             self.gather(sizes.block, "activations")
             tl.alloc("activations", sizes.block_cast)
@@ -161,8 +166,13 @@ class Step(LossPlay):
             tl.transient("activations", sizes.attn_saved + sizes.attn_forward_temp if sizes.attn_forward_temp else 0.0)
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
             tl.transient("activations", sizes.forward_temp)  # with all the layer keeps alive
+            if sizes.offload_ahead >= 0:
+                tl.alloc("activations", saved + sbh * r)
+                tl.free("activations", copying)
+                copying = saved + sbh * r
             if sizes.reshard:
                 self.release(sizes.block)
+        self.copying = copying  # no layer follows to wait for the last one's copies: they go in backward
         # ln_f statistics and output (the head's input), then the head and the loss.
         tl.alloc("activations", keep(sizes.ln_f_stats + self.ln_copy) + self.head_input() + sizes.lm_head_cast)
         self.loss_forward()
@@ -178,6 +188,8 @@ class Step(LossPlay):
         if sizes.reshard:
             self.gather(sizes.root, "other")
         self.loss_backward()
+        tl.free("activations", self.copying)
+        self.copying = 0.0
         # What the head saved (its weight's cast, unless chunked; its input, ln_f's output), and of it on the device.
         saved = (self.sizes.lm_head_cast if sizes.loss_chunks == 1 else 0.0) + sbh * self.c * sizes.head_keeps_input
         on_device = self.head_cast_kept() + self.head_input()
@@ -189,6 +201,9 @@ class Step(LossPlay):
             saved, full = self.sizes.blocks[i]
             if sizes.reshard:
                 self.gather(sizes.block, "other")
+            ahead = sum(s + sbh * r for s, _ in sizes.blocks[max(i - sizes.offload_ahead, 0):i]) \
+                if sizes.offload_ahead > 0 else 0.0  # the next layers' saved tensors, fetched early
+            tl.alloc("activations", ahead)
             back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
             back += 0 if self.keeps_cast(saved) else self.sizes.block_cast  # cast again, or copied back
             early = 0.0  # kept bytes freed before the recompute
@@ -212,7 +227,7 @@ class Step(LossPlay):
             for n in self.block_names[i]:
                 self.grad(sizes.grads[n], n)
             kept = keep(saved) + (self.sizes.block_cast if self.keeps_cast(saved) else 0) - early
-            tl.free("activations", kept + back + (keep(sbh * r) if i else 0))  # and its input (x0 below)
+            tl.free("activations", kept + back + (keep(sbh * r) if i else 0) + ahead)  # and its input (x0 below)
             self.reduce(sizes.block, self.block_names[i], sync)
             self.release(sizes.block)
         # Embedding backward: its dense (V, C) gradient and a tied head's share are summed out of

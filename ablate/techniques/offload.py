@@ -21,11 +21,16 @@ class NoOffload(Option):
     states_on_host = False  # optimizer states
     grads_on_host = False  # gradients
     activations_on_host = False  # every tensor saved for backward
+    layers_ahead = -1  # ... copied on a side stream, and this many layers fetched back ahead in backward
     fsdp_mixed_precision = False  # FSDP gathers the parameters in the compute dtype (no autocast copies)
 
     def context(self, device_type: str) -> contextlib.AbstractContextManager:
         """Wraps the forward pass, where the tensors saved for backward are packed."""
         return contextlib.nullcontext()
+
+    def apply(self, model: nn.Module, adapter) -> nn.Module:
+        """Hooks on the bare model's layers, before any wrapper hides them (ablate/build.py)."""
+        return model
 
     def build_optimizer(self, optimizer, model: nn.Module) -> torch.optim.Optimizer:
         """`optimizer` is the optimizer group's option; by default it builds where the params are."""

@@ -250,7 +250,7 @@ class OverlappedActivations(Activations):
 
     def __init__(self, min_bytes: int = 2**20, prefetch: int = 1):
         self.min_bytes = min_bytes
-        self.prefetch = prefetch
+        self.prefetch = self.layers_ahead = prefetch
         self._offload = SideStreamOffload(min_bytes, prefetch)
 
     @property
@@ -267,9 +267,7 @@ class OverlappedActivations(Activations):
         if self.prefetch < 0:
             raise Invalid(f"offload.prefetch={self.prefetch} must be >= 0 (layers fetched ahead in backward)")
 
-    def change_params(self, model: nn.Module, adapter) -> nn.Module:
-        # No parameter changes: this is the one call that sees the bare model's layers under every
-        # parallel option (and in the predictor's traced step), before wrappers hide them.
+    def apply(self, model: nn.Module, adapter) -> nn.Module:
         for layer in adapter.layer_list(model):
             layer.register_forward_pre_hook(self._offload.layer_boundary)
             layer.register_forward_hook(self._offload.layer_boundary, always_call=True)
