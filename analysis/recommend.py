@@ -5,7 +5,9 @@ the GPU a row ran on. Of the rows that fit it (measured ok, or predicted to fit)
 one trains a sample fastest: by its measured step time where it ran, by its predicted one
 otherwise; combinations within TIE of the fastest count as equally fast, and of those the one with
 the fewest techniques wins (less to go wrong). Without any step time (results from before the time
-model, a device it does not know) the fewest techniques win, then the largest micro-batch.
+model, a device it does not know) the fewest techniques win, then the largest micro-batch. Where
+find_seq searched each row's longest sequence, the question is how long: the longest context wins,
+then the fewest techniques.
 """
 from __future__ import annotations
 
@@ -94,6 +96,12 @@ def ranked(rows: pd.DataFrame, labels: list[str]) -> list[pd.Series]:
     def techniques(row):
         return len(tables.combination(row, labels))
 
+    def context(row):
+        value = row.get("max_seq_len")
+        return int(value) if value is not None and pd.notna(value) else 0
+
+    if any(context(r) for r in fit):  # find_seq asked how long a sequence fits: the longest wins,
+        return sorted(fit, key=lambda r: (-context(r), techniques(r), step_of(r)[0] or 0.0))  # then the simplest
     timed = [r for r in fit if per_sample(r) is not None]
     if len(timed) < len(fit):  # no time to rank by for some: the simplest, then the largest micro-batch
         return sorted(fit, key=lambda r: (techniques(r), -split_of(r)[0], peak_of(r)[0] or 0.0))
@@ -160,10 +168,13 @@ def recommendation(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
 
 
 def cell(row: pd.Series) -> str:
-    """'4 × 4, ~12,290 MiB, ~0.91 s': a fitting row's split, peak and step time (~: predicted)."""
+    """'4 × 4, ~12,290 MiB, ~0.91 s': a fitting row's split (find_seq's longest context where it
+    searched one), peak and step time (~: predicted)."""
     peak, measured = peak_of(row)
     step, timed = step_of(row)
-    text = f"{_split(row)}, {'' if measured else '~'}{num(peak, ',.0f')} MiB"
+    longest = row.get("max_seq_len")
+    split = f"{num(longest, ',.0f')} tokens" if longest is not None and pd.notna(longest) else _split(row)
+    text = f"{split}, {'' if measured else '~'}{num(peak, ',.0f')} MiB"
     return text + (f", {'' if timed else '~'}{num(step, '.2f')} s" if step is not None else "")
 
 
@@ -205,7 +216,8 @@ def by_card(df: pd.DataFrame, labels: list[str]) -> pd.DataFrame:
 
 
 NOTE = ("Per card, the combination that trains a sample fastest among those that fit it (measured step time "
-        "where it ran, predicted otherwise; within 2% the fewest techniques win), then the runners-up. "
+        "where it ran, predicted otherwise; within 2% the fewest techniques win), then the runners-up; "
+        "where find_seq searched the longest sequence, the longest context wins. "
         "Micro-batch × steps: samples per micro-step × micro-steps per optimizer step.")
 BY_CARD_NOTE = ("Each card's cell: micro-batch × micro-steps per optimizer step, the peak and the step time "
                 "where it fits (~: predicted, not measured); OOM and its predicted peak where it does not.")

@@ -24,6 +24,7 @@ PRESETS = {
     "fit_llama_8b": ("llama3.1-8b", 12, 36),
     "full_7b": ("llama3.1-8b", 26, 104),
     "optimizers": ("gpt-mini", 20, 20),
+    "long_context": ("llama3.2-1b", 9, 18),
 }
 # Scaled down for a CPU as the presets' headers say (conf/scale/cpu.yaml; tests/test_scale.py checks
 # that each technique's memory effect points there as on a GPU).
@@ -94,6 +95,21 @@ def test_fit_llama_1b_plans_which_combination_fits_which_card(plan):
     for rung in range(6):
         assert fits[(rung, 8.0)] <= fits[(rung, 16.0)] <= fits[(rung, 24.0)]
     assert fits[(2, 24.0)] >= 1 and fits[(0, 24.0)] == 0  # bf16_pure + block fits; bf16 autocast alone does not
+
+
+@pytest.mark.slow
+def test_long_context_plans_the_published_lengths(plan):
+    """Each technique lengthens the longest sequence a card fits (find_seq over predictions), and
+    the leanest rungs plan past the published anchors: Llama 3.1 8B QLoRA past Unsloth's 342K
+    tokens on 80 GiB, Llama 3.2 1B full-parameter past 128K on 24 GiB."""
+    longest = {(r["config"]["rung"], r["config"]["gpu_memory_gib"]): r["metrics"]["max_seq_len"]
+               for r in plan("long_context")}
+    for card in (24.0, 80.0):
+        plain, block, chunked, tiled, offloaded, math, qlora, qlora_tiled, qlora_offloaded = (
+            longest[(rung, card)] for rung in range(9))
+        assert plain < block < chunked <= tiled < offloaded and math < chunked
+        assert qlora < qlora_tiled < qlora_offloaded
+    assert longest[(8, 80.0)] >= 342 * 1024 and longest[(4, 24.0)] >= 128 * 1024
 
 
 @pytest.mark.slow

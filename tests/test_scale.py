@@ -34,6 +34,9 @@ UNSCALED = {
     # GaLore's rank 1024 and APOLLO's ranks are not scaled with the width: at scale=cpu's width of 64
     # they project nothing, and GaLore's states outgrow AdamW's, where on an 8B model they save most.
     "full_7b",
+    # find_seq searches the longest sequence under a card's capacity; scale=cpu runs on the host, which
+    # has none to search under (its points are invalid rows saying so).
+    "long_context",
 }
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml") if p.stem not in UNSCALED)
 # A change under 2% of the baseline's peak has no direction. MemTracker's peaks are byte counts of

@@ -224,11 +224,11 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
                    fp32_softmax=a.kind == "llama" or bool(t.precision.autocast_dtype) and device == "cuda")
     if at.kind != "fused" and t.checkpoint.saves_op_outputs:
         raise Unmodelled(f"no analytic memory model for selective op recompute over {at.kind} attention's (T, T) ops")
-    tiled = t.tiling.tiles_mlp
+    n = t.tiling.mlp_chunks(shapes.s, a.hidden)
+    tiled = n > 1  # one slice is the untiled MLP
     if tiled:  # one slice's MLP at a time, recomputed and differentiated in backward beside the
         # slices' input gradients made so far (one (B, T, h) at most); at the end those gradients
         # joined, or in forward the slices' outputs and their concatenation: two (B, T, h)
-        n = t.tiling.mlp_chunks(shapes.s, a.hidden)
         sizes.inner_temp = max(shapes.sbh * c + (sizes.inner_temp + sizes.mlp_saved) / n, 2 * shapes.sbh * c)
         sizes.mlp_saved = 0.0
     sizes.attn_saved = attention_saves(a, sb, r, c, ln, at) if at.kind != "fused" else 0.0

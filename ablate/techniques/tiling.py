@@ -24,14 +24,13 @@ class NoTiling(Option):
     """Every layer runs over the whole sequence at once."""
 
     label = "No tiling"
-    tiles_mlp = False  # the predictor's question: is each layer's MLP tiled?
 
     def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
         """Wraps the bare model's modules in place, before any recompute wrapper (ablate/build.py)."""
         return model
 
     def mlp_chunks(self, seq_len: int, hidden: int) -> int:
-        """Slices of the sequence each MLP runs over (1: untiled)."""
+        """Slices of the sequence each MLP runs over (1: untiled); the predictor's question."""
         return 1
 
 
@@ -42,7 +41,6 @@ class TiledMLP(NoTiling):
     Saves: the MLP's (B, T, intermediate) tensors but one slice's. Spends: the MLP's forward again."""
 
     label = "Tiled MLP"
-    tiles_mlp = True
 
     def __init__(self, chunks: int = 0):
         self.chunks = chunks
