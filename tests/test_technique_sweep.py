@@ -9,12 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ablate.groups import TECHNIQUE_GROUPS
+from ablate.groups import OFF, TECHNIQUE_GROUPS
 from ablate.schema import GROUPS
 from helpers import CONF, FAST, ROOT, results_under
 
 # Every technique group but parallel, whose options start several ranks each (tests/test_parallel.py).
-SWEPT = tuple(g for g in TECHNIQUE_GROUPS if g != "parallel")
 # On a CPU these can only be invalid rows, each for a stated reason.
 EXPECTED_INVALID = {("offload", "optimizer"): "needs a CUDA device",
                     ("optimizer", "adamw_fp8"): "compute capability >= 8.9", ("precision", "fp8"): "compute capability >= 8.9",
@@ -28,7 +27,14 @@ EXTRA = {"checkpoint": ["seq_len=32", "batch_size=16"]}
 # Swept under -m slow: the optimizer group's options from other packages beyond bitsandbytes and
 # torchao (each imports its package, lomo-optim transformers too), which tripled the optimizer
 # sweep, the default suite's longest; each option's own tests run it through the CLI as well.
-SLOW_OPTIONS = {"optimizer": ("adalomo", "adam_mini", "apollo", "apollo_mini", "galore", "galore8bit", "lomo")}
+SLOW_OPTIONS = {"optimizer": ("adalomo", "adam_mini", "apollo", "apollo_mini", "galore", "galore8bit", "lomo"),
+                # ... and the long-context and GPU-kernel options, each in its own file's default tests
+                # (test_attention, test_tiling, test_offload_overlap, test_kernel_options)
+                "attention": ("cudnn", "eager", "efficient", "flash", "flex", "math"), "tiling": ("mlp",),
+                "kernels": ("liger",), "loss": ("cce", "liger"), "offload": ("activations_overlap",)}
+# A group left with its do-nothing option alone is in every other group's sweep already.
+SWEPT = tuple(g for g in TECHNIQUE_GROUPS if g != "parallel"
+              and {p.stem for p in (CONF / g).glob("*.yaml")} - set(SLOW_OPTIONS.get(g, ())) != {OFF[g]})
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

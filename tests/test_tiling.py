@@ -20,7 +20,7 @@ from tests.test_predict import measured
 TINY = {"llama": LLAMA, "gpt2": [*GPT, "model.block_size=4096"]}
 CHUNKS = {"llama": 0, "gpt2": 8}
 LONG = ["data.vocab_size=128", "device=cpu", "batch_size=1", "seq_len=4096"]
-DEFAULT = {("llama", "bf16_pure", "block"), ("llama", "fp32", "none")}
+DEFAULT = {("llama", "bf16_pure", "block")}
 GRID = [pytest.param(*p, marks=() if p in DEFAULT else pytest.mark.slow)
         for p in itertools.product(TINY, ["fp32", "bf16_pure", "bf16"], ["none", "block"])]
 
