@@ -197,6 +197,8 @@ def test_a_drawn_command_line_through_the_cli(args, tmp_path_factory):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(args=tame_overrides)
 def test_drawn_command_lines_through_the_cli_run_for_real(args, tmp_path_factory):
+    # The time limit is the test's: a drawn timeout_s=0.5 gives a timeout row, rightly, not a finding
+    args = [a for a in args if not a.lstrip("+").startswith("timeout_s=")]
     cli(args, tmp_path_factory.mktemp("cli"), ["timeout_s=120"])
 
 

@@ -100,6 +100,7 @@ def test_rows_with_and_without_a_worker_say_the_same_through_the_cli(tmp_path):
     assert results.problem(results_under(tmp_path / "s")[0]) is None
 
 
+@pytest.mark.slow  # two torchrun sweeps of two ranks: 18 s of the default suite's budget
 def test_sharded_ranks_add_up_to_the_whole_model(tmp_path):
     """Under FSDP each rank holds a shard (FSDP2's DTensors, FSDP1's views into its flat shard):
     the row counts the whole model, not rank 0's part, nor the ranks' parts twice."""

@@ -291,8 +291,9 @@ def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> f
 def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL) -> float:
     """The MLP's widest tensors alive together inside a layer's forward and backward beyond what it
     keeps (bytes), `g` bytes per gradient element: GPT-2's gradients of c_fc's and GELU's outputs
-    (s·b·4h each) less GELU's output, which c_proj's backward has freed by then; Llama's of gate's
-    and up's (the product down_proj kept is gone, its gradient not yet). A mixture of experts', the largest of (measured on CPU, tiny
+    (s·b·4h each) less GELU's output, which c_proj's backward has freed by then (an adapted c_proj
+    has two gradients of its input alive instead); Llama's of gate's and up's (the product
+    down_proj kept is gone, its gradient not yet). A mixture of experts', the largest of (measured on CPU, tiny
     Mixtral, Qwen-MoE, OLMoE):
     - where its backward starts, three (S, h) gradients in the dtype the routing weights'
       multiply made (fp32 with Mixtral's fp32 weights): the reordered one, the one before the
@@ -306,7 +307,8 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL) ->
         return max(3 * S * h * weighted, 2 * S * i * r + grads - S * (h + i) * r, 2 * sb * a.shared_inter * c)
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
-    return (1 if a.kind in ("neox", "gpt2") else 2) * sb * a.inter * c
+    # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once)
+    return (1 if a.kind == "neox" or (a.kind == "gpt2" and tr.mlp != "adapter") else 2) * sb * a.inter * c
 
 
 def _neox(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[float, dict]:
