@@ -27,7 +27,10 @@ EXTRA = {"checkpoint": ["seq_len=32", "batch_size=16"]}
 # Swept under -m slow: the optimizer group's options from other packages beyond bitsandbytes and
 # torchao (each imports its package, lomo-optim transformers too), which tripled the optimizer
 # sweep, the default suite's longest; each option's own tests run it through the CLI as well.
-SLOW_OPTIONS = {"optimizer": ("adalomo", "adam_mini", "apollo", "apollo_mini", "galore", "galore8bit", "lomo"),
+SLOW_OPTIONS = {"optimizer": ("adalomo", "adam_mini", "apollo", "apollo_mini", "galore", "galore8bit", "lomo",
+                              # torchao's and torch's newer steps, each trained in its own file's default tests
+                              # (test_lowbit_optimizers, test_muon)
+                              "adamw4bit", "adamw8bit_ao", "adamw_bf16", "muon"),
                 # ... and the long-context and GPU-kernel options, each in its own file's default tests
                 # (test_attention, test_tiling, test_offload_overlap, test_kernel_options)
                 "attention": ("cudnn", "eager", "efficient", "flash", "flex", "math"), "tiling": ("mlp",),
