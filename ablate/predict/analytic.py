@@ -31,8 +31,8 @@ from ablate.build import Techniques
 from ablate.models import param_change
 from ablate.predict import Prediction
 from ablate.predict.adapters import FULL, Training, recompute_grads, unfed
-from ablate.predict.layers import (Arch, Attention, arch_of, attention_saves, attention_temps, eager_mask, forward_temp,
-                                   inner_temp, layer_saves, mlp_saves)
+from ablate.predict.attention import Attention, attention_temps, eager_mask
+from ablate.predict.layers import Arch, arch_of, attention_saves, forward_temp, inner_temp, layer_saves, mlp_saves
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from ablate.predict import adapters
 from ablate.predict.adapters import FULL, Training
 from ablate.predict.timeline import Unmodelled
-from ablate.techniques.attention import EAGER, FUSED, MATH
+from ablate.predict.attention import Attention, scores
+from ablate.techniques.attention import FUSED
 
 # Mixtures of experts as transformers 5 writes them, and the config key of one expert's width
 MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe": "moe_intermediate_size",
@@ -104,16 +105,6 @@ def _moe_sizes(hf) -> dict:
             "fp32_routing": kind == "mixtral"}
 
 
-@dataclass(frozen=True)
-class Attention:
-    """What a layer's attention keeps: FUSED, MATH or EAGER (the attention option's `saves`), and
-    the sequence length, which the (T, T) matrices of the last two scale with."""
-
-    kind: str = FUSED
-    seq: int = 0
-    fp32_softmax: bool = False  # an eager softmax in fp32 over 16-bit scores (transformers' always; autocast's)
-
-
 def _full(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention, tr: Training = FULL) -> tuple[float, dict]:
     """The layout's (bytes kept, parts); `at`: what attention keeps; `tr`: what of the layer trains."""
     if a.kind == "neox" and at.kind != FUSED:
@@ -161,28 +152,15 @@ def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[flo
     own copy when ln != r, and the input then dies with the block: hence ln - r more); LayerNorm
     mean and rstd (2·s·b fp32 each LayerNorm) and SDPA's log-sum-exp (s·b·heads fp32).
     The math backend and the eager path keep, in place of qkv and the log-sum-exp, their own
-    copies of q, k and v and the (B, heads, T, T) probabilities (`_scores`); eager its (T, T)
+    copies of q, k and v and the (B, heads, T, T) probabilities (`attention.scores`); eager its (T, T)
     mask too."""
     sbh = sb * a.hidden
     stats, lse = 2 * 2 * sb * 4, sb * a.heads * 4
-    sdpa, sdpa_matmul = (3 * sbh * c + lse, lse) if at.kind == FUSED else _scores(a, sb, c, at, mask=at.seq ** 2)
+    sdpa, sdpa_matmul = (3 * sbh * c + lse, lse) if at.kind == FUSED else scores(a, sb, c, at, mask=at.seq ** 2)
     full = (1 + 1 + 1 + 4 + 4) * sbh * c + sdpa + sbh * ln + sbh * (ln - r) + stats
     return full, {"attn": sbh * c + sdpa, "mlp": 8 * sbh * c, "norm": stats,
                   "matmul": (3 + 1 + 4 + 1 + 1) * sbh * c + sdpa_matmul, "mlp_matmul": 5 * sbh * c,
                   "mlp_input": sbh * c}
-
-
-def _scores(a: Arch, sb: int, c: int, at: Attention, mask: float = 0) -> tuple[float, float]:
-    """(bytes the math backend or an eager path keeps of attention beyond its output, what of it
-    selective op recompute keeps: the scores' matmul output, as large as the probabilities).
-    Math: q, k and v copies widened to every query head and the probabilities, in fp32 for 16-bit
-    inputs. Eager: the same in the compute dtype, transformers' fp32 softmax output beside its
-    16-bit cast; `mask`: bytes of a causal mask a layer keeps."""
-    q, probs = sb * a.heads * a.head_dim, sb * a.heads * at.seq
-    if at.kind == MATH:
-        return 3 * q * 4 + probs * 4 if c != 4 else 3 * q * c + probs * c, probs * (4 if c != 4 else c)
-    softmax = probs * 4 + probs * c if at.fp32_softmax and c != 4 else probs * c
-    return 3 * q * c + softmax + mask, probs * c
 
 
 def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention()) -> tuple[float, dict]:
@@ -197,11 +175,11 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     output; attention; x + attn in fp32 (kept by ln_2: itself when r == 4, else a copy); ln_2's
     normalised and output; the MLP (or a mixture of experts: `_experts`).
     The math backend and the eager path keep, in place of q, k, v and the log-sum-exp, their own
-    copies and the probabilities (`_scores`); under ops recompute, the scores' matmul output (as
+    copies and the probabilities (`attention.scores`); under ops recompute, the scores' matmul output (as
     large) in place of the log-sum-exp."""
     sbh, q, kv = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.kv_heads * a.head_dim
     lse, rsqrt = sb * a.heads * 4, sb * 4
-    sdpa, sdpa_matmul = ((q + 2 * kv) * c + lse, lse) if at.kind == FUSED else _scores(a, sb, c, at)
+    sdpa, sdpa_matmul = ((q + 2 * kv) * c + lse, lse) if at.kind == FUSED else scores(a, sb, c, at)
     norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
     attn = q * c + sdpa  # SDPA out; q, k after rotary, v and the lse (or the math backend's, eager's)
     # q_norm and k_norm (RMSNorm over each head, or OLMoE's over the whole projection): the
@@ -254,29 +232,6 @@ def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
     shared_out = (2 * a.shared_inter + h) * sb * c + sb * c if a.shared_inter else 0
     matmul = sb * a.experts * c + S * (2 * i + h) * r + shared_out
     return experts + router + shared, casts, matmul
-
-
-def attention_temps(a: Arch, sb: int, c: int, ln: int, at: Attention) -> tuple[float, float]:
-    """(bytes made and dropped in an attention's forward beyond what it keeps, ... in its backward
-    beyond what the layer keeps less its MLP's): the (T, T) tensors of the math backend and eager
-    paths, none for a fused kernel's O(T) ones. Forward: the scores beside the probabilities.
-    Backward: the probabilities' gradient and the scores' (the softmax's backward), in the dtype
-    the probabilities are in (fp32 for the math backend's 16-bit inputs); by then the second
-    norm's output and what it keeps of its input are gone too."""
-    if at.kind == FUSED:
-        return 0.0, 0.0
-    probs = sb * a.heads * at.seq * (4 if at.kind == MATH and c != 4 else c)
-    grads = 2 * probs
-    if at.kind == EAGER and at.fp32_softmax and c != 4:  # the fp32 softmax's gradient, cast back by its backward
-        grads = sb * a.heads * at.seq * (4 + c)
-    second_norm = sb * a.hidden * (c + ln + (c if a.kind == "llama" else 0))  # its output, input and normalised input
-    return probs, grads - second_norm
-
-
-def eager_mask(a: Arch, b: int, seq: int, c: int, at: Attention) -> float:
-    """Bytes of the (B, 1, T, T) additive causal mask transformers makes for eager attention, in the
-    compute dtype: an input of every layer, so a recompute wrapper keeps it through backward."""
-    return b * seq * seq * c if at.kind == EAGER and a.kind == "llama" else 0.0
 
 
 def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> float:
