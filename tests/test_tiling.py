@@ -10,10 +10,12 @@ import pytest
 from ablate.build import check_config
 from ablate.models.layout import bare_name
 from ablate.predict.analytic import analytic
-from ablate.techniques import Invalid
+from ablate.techniques import Invalid, Unmodelled
 from ablate.techniques.tiling import TiledMLP, _Tiles
 from tests.helpers import compose_spec, train_nano
 from tests.test_attention import GPT, LLAMA
+from tests.test_peft import BASE as PEFT_BASE
+from tests.test_peft import TINY as PEFT_TINY
 from tests.test_predict import measured
 
 # GPT-2 in 8 slices: at nano's width ALST's rule makes 86, whose steps take 30 s on a CPU
@@ -35,6 +37,26 @@ def test_the_prediction_is_within_2_percent_of_memtracker(family, precision, che
     assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.02)
     if checkpoint == "block":  # the MLP's wide tensors were the peak: tiling takes them down
         assert real.peak_mib < measured(overrides, base=base).peak_mib
+
+
+# Adapters over a tiled MLP (QLoRA's leanest combinations): tiny Llama's QLoRA in pure bf16 under
+# block recompute, as experiment=fit_llama_8b plans it, in the default suite, the rest behind `slow`.
+ADAPTED = [pytest.param(*point, marks=() if point == ("llama", "qlora", "bf16_pure", "block") else pytest.mark.slow)
+           for point in itertools.product(["llama", "gpt2"], ["lora", "qlora"], ["fp32", "bf16_pure"], ["none", "block"])]
+
+
+@pytest.mark.parametrize("family,peft,precision,checkpoint", ADAPTED)
+def test_adapters_over_a_tiled_mlp_are_predicted_within_2_percent(family, peft, precision, checkpoint):
+    base = [*PEFT_TINY[family], *PEFT_BASE]
+    overrides = [f"peft={peft}", f"precision={precision}", f"checkpoint={checkpoint}", "tiling=mlp", "tiling.chunks=4"]
+    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(
+        measured(overrides, base=base).peak_mib, rel=0.02)
+
+
+def test_adapters_over_a_tiled_mlp_under_autocast_go_to_the_trace():
+    with pytest.raises(Unmodelled, match="adapters over a tiled MLP"):
+        analytic(compose_spec([*PEFT_TINY["llama"], *PEFT_BASE, "peft=lora", "precision=bf16", "tiling=mlp",
+                               "tiling.chunks=4"]))
 
 
 @pytest.mark.parametrize("checkpoint", ["none", "block", "mlp"])

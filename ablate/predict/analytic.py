@@ -60,6 +60,7 @@ class Shapes:
     embedding: str  # the token embedding's weight
     lm_head: str | None  # the LM head's weight when untied, else None
     linear_names: list  # layer 0's parameters inside its attention and MLP (what autocast casts)
+    mlp_names: frozenset = frozenset()  # every layer's parameters inside its MLP
     frozen: frozenset = frozenset()  # parameters that train not: no gradient, no optimizer state
     packed: dict = field(default_factory=dict)  # parameter name -> bytes per element of a non-float storage (4-bit)
 
@@ -112,7 +113,9 @@ def _shapes_of(spec: RunSpec, t: Techniques) -> Shapes:
                   layer_names=layout.layer_names, embedding=f"{a.embedding}.weight",
                   lm_head=lm_head if lm_head in shapes else None,
                   linear_names=[n for n in layout.layer_names[0]
-                                if n.startswith(inner) and n not in experts], frozen=layout.frozen,
+                                if n.startswith(inner) and n not in experts],
+                  mlp_names=frozenset(n for i, names in enumerate(layout.layer_names) for n in names
+                                      if n.startswith(f"{layout.prefix}{i}.{a.mlp}.")), frozen=layout.frozen,
                   packed=_packed(layout))
 
 
@@ -226,16 +229,27 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         raise Unmodelled(f"no analytic memory model for selective op recompute over {at.kind} attention's (T, T) ops")
     n = t.tiling.mlp_chunks(shapes.s, a.hidden)
     tiled = n > 1  # one slice is the untiled MLP
+    if tiled and tr != FULL and (r != c or tr.dora):
+        raise Unmodelled("no analytic memory model for adapters over a tiled MLP under autocast or DoRA (each slice "
+                         "casts the adapters' inputs again; DoRA takes its weight norm again for every slice)")
     if tiled:  # one slice's MLP at a time, recomputed and differentiated in backward beside the
         # slices' input gradients made so far (one (B, T, h) at most); at the end those gradients
         # joined, or in forward the slices' outputs and their concatenation: two (B, T, h)
         sizes.inner_temp = max(shapes.sbh * c + (sizes.inner_temp + sizes.mlp_saved) / n, 2 * shapes.sbh * c)
-        sizes.mlp_saved = 0.0
+        sizes.forward_temp = forward_temp(a, -(-sb // n), r, c, tr)  # an adapted MLP's, over one slice
+        if r != c:  # autocast in each slice's recompute: its casts of the slice for gate and up, and of the weights
+            mlp_weights = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_names)
+            sizes.inner_temp += 2 * shapes.sbh * c / n + mlp_weights * c
+        sizes.mlp_saved, sizes.tiled_mlp = 0.0, True
     sizes.attn_saved = attention_saves(a, sb, r, c, ln, at) if at.kind != "fused" else 0.0
     # RMSNorm's backward in fp32: the gradient of its normalised input and of its fp32 input, two
     # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
+    if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
+        # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
+        # making room for it, a frozen one kept none (fitted on CPU: tiny Llama, LoRA over a tiled MLP)
+        sizes.norm_backward_temp += shapes.sbh * r
     sizes.attn_forward_temp, sizes.attn_backward_temp = attention_temps(a, sb, c, ln, at)
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient

@@ -81,6 +81,7 @@ class Sizes:
     recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
+    tiled_mlp: bool = False  # the MLP runs slice by slice: its weights' gradients exist from the first slice's backward
     # An attention that makes (T, T) tensors (math backend, eager): what it keeps, and what it
     # makes and drops beside that in forward and in backward (ablate/predict/layers.py attention_temps)
     attn_saved: float = 0.0
@@ -207,6 +208,9 @@ class Step(LossPlay):
             back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
             back += 0 if self.keeps_cast(saved) else self.sizes.block_cast  # cast again, or copied back
             early = 0.0  # kept bytes freed before the recompute
+            mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
+            for n in mlp if sizes.tiled_mlp else ():
+                self.grad(sizes.grads[n], n)
             if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("other", sizes.recompute_grads if full > saved else 0.0)
                 tl.alloc("activations", back)
@@ -219,13 +223,16 @@ class Step(LossPlay):
                 early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
                 tl.alloc("activations", back)
-            # after the MLP's backward (its saved tensors gone): the second norm's fp32 gradients, then
-            # attention's (T, T) ones
+            # after the MLP's backward (its saved tensors gone, its weights' gradients made): the second
+            # norm's fp32 gradients, then attention's (T, T) ones
+            for n in mlp if not sizes.tiled_mlp else ():
+                self.grad(sizes.grads[n], n)
             gone = keep(sizes.mlp_saved) - early
             tl.transient("other", max(sizes.norm_backward_temp - gone, 0.0))
             tl.transient("other", max(sizes.attn_backward_temp - gone, 0.0))
             for n in self.block_names[i]:
-                self.grad(sizes.grads[n], n)
+                if n not in mlp:
+                    self.grad(sizes.grads[n], n)
             kept = keep(saved) + (self.sizes.block_cast if self.keeps_cast(saved) else 0) - early
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0) + ahead)  # and its input (x0 below)
             self.reduce(sizes.block, self.block_names[i], sync)
