@@ -267,10 +267,10 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         "samples_per_s": run.steps * B * world / seconds if seconds else None,
         "tflops": tflops,
         "mfu": mfu,
-        # HFU counts the recomputed forward too (layers, and the chunked loss's head), at the
+        # HFU counts the recomputed forward too (layers, tiled MLPs, the chunked loss's head), at the
         # forward's share of the model FLOPs: a third with nothing frozen, more where frozen weights
         # make no gradient of their own.
-        "hfu": mfu * (1 + (t.checkpoint.recompute_fraction + t.loss.recompute_fraction)
+        "hfu": mfu * (1 + (t.checkpoint.recompute_fraction + t.loss.recompute_fraction + t.tiling.recomputed(T))
                       * forward_flops_per_token(n_trained + n_frozen, layers, width, T) / per_token)
         if mfu is not None else None,
         "compile_s": run.compile_s,

@@ -32,6 +32,17 @@ def test_recompute_adds_the_forward_it_runs_again():
     assert seconds(plain, H100) < seconds(every2, H100) < seconds(blocks, H100)
 
 
+def test_a_tiled_mlp_runs_its_forward_again_and_makes_its_tensors_all_the_same():
+    plain, tiled, both = work(), work("tiling=mlp"), work("tiling=mlp", "checkpoint=block")
+    mlps = 12 * 2 * 768 * 3072  # c_fc's and c_proj's weights in 12 blocks
+    assert tiled.flops - plain.flops == pytest.approx(2 * mlps * 8 * 1024, rel=1e-6)
+    assert tiled.memory_bytes > plain.memory_bytes  # the slices' tensors, made twice
+    assert both.flops - work("checkpoint=block").flops == pytest.approx(tiled.flops - plain.flops, rel=1e-6)
+    assert seconds(plain, H100) < seconds(tiled, H100)
+    # one slice is the untiled MLP: nothing runs again
+    assert work("tiling=mlp", "tiling.chunks=1").flops == plain.flops
+
+
 def test_the_chunked_loss_runs_its_head_again_and_the_fused_one_does_not():
     plain, chunked, fused = work(), work("loss=chunked"), work("loss=fused")
     head = 6 * 50257 * 768 * 8 * 1024

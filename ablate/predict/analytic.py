@@ -240,7 +240,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         if r != c:  # autocast in each slice's recompute: its casts of the slice for gate and up, and of the weights
             mlp_weights = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_names)
             sizes.inner_temp += 2 * shapes.sbh * c / n + mlp_weights * c
-        sizes.mlp_saved, sizes.tiled_mlp = 0.0, True
+        sizes.mlp_untiled, sizes.mlp_saved, sizes.tiled_mlp = sizes.mlp_saved, 0.0, True
     sizes.attn_saved = attention_saves(a, sb, r, c, ln, at) if at.kind != "fused" else 0.0
     # RMSNorm's backward in fp32: the gradient of its normalised input and of its fp32 input, two
     # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides

@@ -131,6 +131,9 @@ def work_of(spec) -> Work:
     head_flops = (4 if (shapes.lm_head or shapes.embedding) in shapes.frozen else 6) + 2 * head_again
     unaligned = head_flops * rows * shapes.h * tokens if align and not sizes.compiled and rows % align else 0.0
     kept = sum(full for _, full in sizes.blocks) + sum(full - saved for saved, full in sizes.blocks)
+    # A tiled MLP's tensors are made all the same, slice by slice: in forward, in a recomputed
+    # layer's forward, and once more by each slice's recompute in backward.
+    kept += sum(sizes.mlp_untiled * (3 if full > saved else 2) for saved, full in sizes.blocks)
     logits = tokens * rows * logit_bytes(sizes.compute_bytes, sizes.compiled, t.loss.from_hidden, head_again > 0)
     offload = _Offloaded(shapes, sizes)
     offload.play(spec.batch_size * spec.seq_len)
@@ -163,11 +166,11 @@ def _state_bytes(t, shapes) -> float:
 
 @dataclass(frozen=True)
 class Recompute:
-    """What the checkpoint and loss options run again in backward, as matmul weights (half a
+    """What the checkpoint, loss and tiling options run again in backward, as matmul weights (half a
     token's FLOPs): each option's recompute_fraction, which it sets when applied to a model."""
 
     weights: float  # all of the model's
-    again: float  # of them, run again by either option
+    again: float  # of them, run again by any of those options
     layers: float  # the decoder layers' own
     layers_again: float  # of those, run again by the checkpoint option
     head_again: float  # the loss's recompute, as a share of the head's (1: the chunked loss)
@@ -192,29 +195,33 @@ def _recomputed(spec, t) -> Recompute:
     """What the point's checkpoint and loss options run again, for the whole model. Applied to
     copies of meta-device models: the whole model up to 24 layers, else samples of 12 and 24 layers
     whose difference is what 12 more layers add."""
-    key = json.dumps([spec.groups[g] for g in ("model", "checkpoint", "loss")], sort_keys=True, default=str)
+    key = json.dumps([spec.groups[g] for g in ("model", "checkpoint", "loss", "tiling")] + [spec.seq_len],
+                     sort_keys=True, default=str)
     if key not in _RECOMPUTED:
         family, n = t.model, t.model.n_layers
         small = family.sample(SAMPLE_LAYERS) if n is not None and n > 2 * SAMPLE_LAYERS else None
         large = family.sample(2 * SAMPLE_LAYERS) if small is not None else None
         if large is not None:
-            first = _applied(t, small)
-            _RECOMPUTED[key] = first + (_applied(t, large) - first) * ((n - SAMPLE_LAYERS) / SAMPLE_LAYERS)
+            first = _applied(t, small, spec.seq_len)
+            _RECOMPUTED[key] = first + (_applied(t, large, spec.seq_len) - first) * ((n - SAMPLE_LAYERS) / SAMPLE_LAYERS)
         else:
-            _RECOMPUTED[key] = _applied(t, family.meta_model)
+            _RECOMPUTED[key] = _applied(t, family.meta_model, spec.seq_len)
     return _RECOMPUTED[key]
 
 
-def _applied(t, model) -> Recompute:
-    """What copies of the point's loss and checkpoint options, applied to a copy of `model` as the
-    build applies them (the loss attached first), run again."""
+def _applied(t, model, seq_len: int) -> Recompute:
+    """What copies of the point's loss, tiling and checkpoint options, applied to a copy of `model`
+    as the build applies them (the loss attached first), run again over `seq_len` tokens. A tiled
+    MLP's slices run their forward once more whether the layer is recomputed or not."""
     model, loss, checkpoint = copy.deepcopy(model), copy.copy(t.loss), copy.copy(t.checkpoint)
-    adapter = t.model.adapter
+    tiling, adapter = copy.copy(t.tiling), t.model.adapter
     loss.attach(model, adapter)
+    tiling.apply(model, adapter)
     checkpoint.apply(model, adapter)
     weights = adapter.matmul_weights([model])
     head = model.get_submodule(adapter.lm_head).weight.numel()
-    return Recompute(weights=weights, again=(loss.recompute_fraction + checkpoint.recompute_fraction) * weights,
+    again = loss.recompute_fraction + checkpoint.recompute_fraction + tiling.recomputed(seq_len)
+    return Recompute(weights=weights, again=again * weights,
                      layers=adapter.matmul_weights(adapter.layer_list(model)),
                      layers_again=checkpoint.recompute_fraction * weights,
                      head_again=loss.recompute_fraction * weights / head)

@@ -82,6 +82,7 @@ class Sizes:
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
     tiled_mlp: bool = False  # the MLP runs slice by slice: its weights' gradients exist from the first slice's backward
+    mlp_untiled: float = 0.0  # ... what one layer's MLP would keep untiled, made slice by slice instead (step time)
     # An attention that makes (T, T) tensors (math backend, eager): what it keeps, and what it
     # makes and drops beside that in forward and in backward (ablate/predict/layers.py attention_temps)
     attn_saved: float = 0.0

@@ -33,6 +33,11 @@ class NoTiling(Option):
         """Slices of the sequence each MLP runs over (1: untiled); the predictor's question."""
         return 1
 
+    def recomputed(self, seq_len: int) -> float:
+        """The share of the model's matmul weights run again in backward at this sequence length,
+        once applied (the step-time model's and HFU's question)."""
+        return 0.0
+
 
 class TiledMLP(NoTiling):
     """Each layer's MLP over `chunks` slices of the sequence, each recomputed in backward (0:
@@ -61,8 +66,16 @@ class TiledMLP(NoTiling):
     def mlp_chunks(self, seq_len: int, hidden: int) -> int:
         return min(self.chunks or math.ceil(seq_len / hidden), seq_len)
 
+    def recomputed(self, seq_len: int) -> float:
+        return self._mlp_share if self.mlp_chunks(seq_len, self._hidden) > 1 else 0.0
+
     def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
-        for layer in adapter.layer_list(model):
+        layers = adapter.layer_list(model)
+        # what each slice's recompute runs again, and the width _Tiles slices by (the residual stream's)
+        self._mlp_share = adapter.matmul_weights([getattr(layer, adapter.mlp) for layer in layers]) \
+            / adapter.matmul_weights([model])
+        self._hidden = model.get_submodule(adapter.embedding).weight.shape[1]
+        for layer in layers:
             setattr(layer, adapter.mlp, _Tiles(getattr(layer, adapter.mlp), self))
         return model
 
