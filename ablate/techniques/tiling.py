@@ -45,10 +45,12 @@ class TiledMLP(NoTiling):
     (tokens x intermediate) tensors are no larger than a (hidden x intermediate) weight).
     Saves: the MLP's (B, T, intermediate) tensors but one slice's. Spends: the MLP's forward again."""
 
-    label = "Tiled MLP"
-
     def __init__(self, chunks: int = 0):
         self.chunks = chunks
+
+    @property
+    def label(self) -> str:
+        return f"Tiled MLP ({self.chunks} slices)" if self.chunks else "Tiled MLP"
 
     def check(self, plan: Plan) -> None:
         if self.chunks < 0:
