@@ -54,12 +54,32 @@ def planned(spec: RunSpec, capacity: float | None, predict: Callable[[RunSpec], 
     return Outcome("predicted", None, {"max_batch_size": best}), seen[best]
 
 
-class _Stopped(Exception):
-    """A probe ended by a stop signal; carries its outcome, which becomes the point's."""
+class Stopped(Exception):
+    """A probe ended by a stop signal, or one that measured nothing; carries its outcome, which
+    becomes the point's."""
 
     def __init__(self, outcome: Outcome):
         super().__init__(outcome.reason)
         self.outcome = outcome
+
+
+def prober(run: Callable[[RunSpec, Path], Outcome], capacity: float | None, probes: list[dict], key: str,
+           at: Callable[[int], RunSpec], folder: Path, stem: str) -> Callable[[int], bool]:
+    """A search's question, "does the point fit at this value of `key`?", answered by a one-step
+    probe run of `at(value)` in folder/<stem>_<value>: it fits when it measured and its peak
+    (reserved, else allocated) stays under_margin (a diverged probe fits too). Each probe is
+    appended to `probes`. Raises Stopped when the job was told to stop or the probe measured
+    nothing (a limit of this process refused host memory): no further probe starts, and a
+    smaller value is not read as the answer."""
+    def fits(value: int) -> bool:
+        out = run(at(value), folder / f"{stem}_{value}")
+        peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
+        ok = out.status in results.MEASURED and under_margin(peak, capacity)
+        probes.append({key: value, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
+        if out.stopped_by or (out.status == "error" and str(out.reason).startswith(results.UNMEASURED)):
+            raise Stopped(out)
+        return ok
+    return fits
 
 
 def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable[[RunSpec, Path], Outcome],
@@ -71,25 +91,15 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
     else allocated) must stay under_margin. Every probe is listed in metrics.find_batch, the answer
     in metrics.max_batch_size and the guess in metrics.predicted_max_batch_size."""
     probes: list[dict] = []
-
-    def fits(micro: int) -> bool:
-        out = run(spec.with_micro_batch(micro, steps=1), run_dir / "find_batch" / f"micro_{micro}")
-        peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
-        ok = out.status in results.MEASURED and under_margin(peak, capacity)  # a diverged probe fit too
-        probes.append({"micro_batch": micro, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
-        # The job was told to stop, or the probe measured nothing (a limit of this process refused
-        # host memory): no further probe starts, and a smaller micro-batch is not read as the answer.
-        if out.stopped_by or (out.status == "error" and str(out.reason).startswith(results.UNMEASURED)):
-            raise _Stopped(out)
-        return ok
-
+    fits = prober(run, capacity, probes, "micro_batch", lambda micro: spec.with_micro_batch(micro, steps=1),
+                  run_dir / "find_batch", "micro")
     try:
         micros = micros or micro_batches(spec.batch_size)
         # Without a capacity (a CPU, no gpu_memory_gib) only a failing probe stops a micro-batch:
         # the whole batch goes first, and one probe settles a point that runs.
         start = guess if capacity else micros[-1]
         best = largest_fitting(micros, fits, start)
-    except _Stopped as stop:
+    except Stopped as stop:
         stop.outcome.metrics = {**stop.outcome.metrics, "find_batch": probes, "predicted_max_batch_size": guess}
         return stop.outcome
     found = {"find_batch": probes, "max_batch_size": best, "predicted_max_batch_size": guess}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ablate import results
 from ablate.capacity import largest_fitting
-from ablate.find_batch import under_margin
+from ablate.find_batch import Stopped, prober, under_margin
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
 from launch.local import Outcome
@@ -120,14 +120,6 @@ def planned(spec: RunSpec, capacity: float | None, predict: Callable[[RunSpec], 
     return Outcome("predicted", bounded(best, limit), {"max_seq_len": best, "predicted_max_seq_len": best}), seen[best]
 
 
-class _Stopped(Exception):
-    """A probe ended by a stop signal, or one that measured nothing; carries its outcome, which becomes the point's."""
-
-    def __init__(self, outcome: Outcome):
-        super().__init__(outcome.reason)
-        self.outcome = outcome
-
-
 def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable[[RunSpec, Path], Outcome],
              limit: int, guess: int | None = None) -> Outcome:
     """The search with one-step probe runs, each in run_dir/find_seq/seq_<n>, starting at `guess`
@@ -136,21 +128,11 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
     is listed in metrics.find_seq, the answer in metrics.max_seq_len, the guess in
     metrics.predicted_max_seq_len."""
     probes: list[dict] = []
-
-    def fits(seq_len: int) -> bool:
-        out = run(at_seq_len(spec, seq_len, steps=1), run_dir / "find_seq" / f"seq_{seq_len}")
-        peak = out.metrics.get("peak_reserved_mib") or out.metrics.get("peak_allocated_mib")
-        ok = out.status in results.MEASURED and under_margin(peak, capacity)  # a diverged probe fit too
-        probes.append({"seq_len": seq_len, "status": out.status, "reason": out.reason, "peak_mib": peak, "fits": ok})
-        # The job was told to stop, or the probe measured nothing (a limit of this process refused
-        # host memory): no further probe starts, and a shorter length is not read as the answer.
-        if out.stopped_by or (out.status == "error" and str(out.reason).startswith(results.UNMEASURED)):
-            raise _Stopped(out)
-        return ok
-
+    fits = prober(run, capacity, probes, "seq_len", lambda seq_len: at_seq_len(spec, seq_len, steps=1),
+                  run_dir / "find_seq", "seq")
     try:
         best = search(fits, limit, guess)
-    except _Stopped as stop:
+    except Stopped as stop:
         stop.outcome.metrics = {**stop.outcome.metrics, "find_seq": probes, "predicted_max_seq_len": guess}
         return stop.outcome
     found = {"find_seq": probes, "max_seq_len": best, "predicted_max_seq_len": guess}

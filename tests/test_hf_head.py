@@ -34,8 +34,8 @@ def test_an_unlisted_family_with_a_plain_head_takes_the_chunked_and_fused_losses
 ])
 @pytest.mark.parametrize("loss", ["chunked", "fused"])
 def test_a_family_that_changes_its_logits_after_the_head_is_refused_saying_why(model_type, attn, why, loss):
-    with pytest.raises(Invalid, match=rf"loss=chunked and loss=fused need logits that are the head's output alone; "
-                                      rf"model_type='{model_type}': {why}: use loss=standard"):
+    with pytest.raises(Invalid, match=rf"loss=chunked, fused, liger and cce need logits that are the head's output "
+                                      rf"alone; model_type='{model_type}': {why}: use loss=standard"):
         train_nano([*toy(model_type), f"loss={loss}", f"attention={attn}"], steps=1)
 
 

@@ -143,7 +143,7 @@ def test_chunked_saves_most_of_the_logits_bytes():
     (["loss.chunks=0"], "loss.chunks=0 must be a positive integer"),
     (["loss.chunks=300", "batch_size=8", "seq_len=32"], r"loss.chunks=300 > the 256 tokens of a micro-batch"),
     (["model=hf", "+model.config.model_type=gemma2", "+model.config.num_hidden_layers=1", "attention=eager"],
-     r"loss=chunked and loss=fused need logits that are the head's output alone; model_type='gemma2': "
+     r"loss=chunked, fused, liger and cce need logits that are the head's output alone; model_type='gemma2': "
      r"its forward changes the head's output"),
 ])
 def test_invalid_chunked_losses_name_their_key(overrides, match):

@@ -61,8 +61,8 @@ class Ignores(TinyLM):
             return super().forward(idx, targets)
         finally:
             self.loss_fn = kept
-""", "Ignores", "model=custom: Ignores.forward never calls loss_fn, so loss=chunked and loss=fused would measure "
-                "the standard loss"),
+""", "Ignores", "model=custom: Ignores.forward never calls loss_fn, so loss=chunked, fused, liger and cce would "
+                "measure the standard loss"),
     "logits_to_loss_fn": ("""
 from examples.tiny_lm import TinyLM
 

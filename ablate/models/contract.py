@@ -144,10 +144,10 @@ def _check_calls_loss_fn(model: nn.Module, idx: torch.Tensor, who: str) -> None:
     except Exception as exc:  # noqa: BLE001  (a model's own error, whatever it is, is the reason)
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise Invalid(f"{who}.forward fails on the meta device ({type(exc).__name__}: {text}), so ablate cannot "
-                      f"check that it calls loss_fn, which loss=chunked and loss=fused need: make it run on "
+                      f"check that it calls loss_fn, which loss=chunked, fused, liger and cce need: make it run on "
                       f"meta tensors (shapes, no values) or use loss=standard") from None
     else:
-        raise Invalid(f"{who}.forward never calls loss_fn, so loss=chunked and loss=fused would measure the "
+        raise Invalid(f"{who}.forward never calls loss_fn, so loss=chunked, fused, liger and cce would measure the "
                       f"standard loss: with targets and self.loss_fn set, return "
                       f"(None, self.loss_fn(hidden, self.lm_head, targets))")
     finally:

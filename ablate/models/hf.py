@@ -197,11 +197,11 @@ class HFCausalLM(Family):
                           f"use attention=eager")
         why = plan.chunked_loss and c.model_type not in PLAIN_HEAD and head_is_not_plain(c, self.attn_implementation)
         if why:
-            raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
+            raise Invalid(f"loss=chunked, fused, liger and cce need logits that are the head's output alone; "
                           f"model_type={c.model_type!r}: {why}: use loss=standard")
         for key, neutral in LOGIT_KEYS.items():
             if plan.chunked_loss and getattr(c, key, neutral) not in (neutral, None):
-                raise Invalid(f"loss=chunked and loss=fused need logits that are the head's output alone; "
+                raise Invalid(f"loss=chunked, fused, liger and cce need logits that are the head's output alone; "
                               f"model.config.{key}={getattr(c, key)} changes them after it: use loss=standard")
         pad = getattr(c, "pad_token_id", None)
         if isinstance(pad, int) and not 0 <= pad < c.vocab_size:  # the embedding's zeroed row: an assert inside torch
