@@ -250,7 +250,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
         # making room for it, a frozen one kept none (fitted on CPU: tiny Llama, LoRA over a tiled MLP)
         sizes.norm_backward_temp += shapes.sbh * r
-    sizes.attn_forward_temp, sizes.attn_backward_temp = attention_temps(a, sb, c, ln, at)
+    sizes.attn_forward_temp, sizes.attn_backward_temp = attention_temps(a, sb, c, r, ln, at)
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient
         saved, full = sizes.blocks[0]

@@ -35,7 +35,7 @@ def scores(a: Arch, sb: int, c: int, at: Attention, mask: float = 0) -> tuple[fl
     return 3 * q * c + softmax + mask, probs * c
 
 
-def attention_temps(a: Arch, sb: int, c: int, ln: int, at: Attention) -> tuple[float, float]:
+def attention_temps(a: Arch, sb: int, c: int, r: int, ln: int, at: Attention) -> tuple[float, float]:
     """(bytes made and dropped in an attention's forward beyond what it keeps, ... in its backward
     beyond what the layer keeps less its MLP's): the (T, T) tensors of the math backend and eager
     paths, none for a fused kernel's O(T) ones. Forward: the scores beside the probabilities.
@@ -48,7 +48,9 @@ def attention_temps(a: Arch, sb: int, c: int, ln: int, at: Attention) -> tuple[f
     grads = 2 * probs
     if at.kind == EAGER and at.fp32_softmax and c != 4:  # the fp32 softmax's gradient, cast back by its backward
         grads = sb * a.heads * at.seq * (4 + c)
-    second_norm = sb * a.hidden * (c + ln + (c if a.kind == "llama" else 0))  # its output, input and normalised input
+    # its input and output (GPT-2); RMSNorm's fp32 input, normalised input (in the stream's dtype) and
+    # output, or under autocast the MLP's two casts of that output in its place
+    second_norm = sb * a.hidden * (ln + (r + (2 * c if r != c else c) if a.kind == "llama" else c))
     return probs, grads - second_norm
 
 
