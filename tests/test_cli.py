@@ -82,6 +82,7 @@ def test_result_carries_every_contract_field(sweep):
         assert r["env"]["gpu_name"] is None and r["env"]["world_size"] == 1 and r["env"]["torch"]
 
 
+@pytest.mark.slow  # two sweeps again: 15 s
 def test_rerun_skips_finished_points_and_skip_existing_false_reruns(sweep):
     out, _ = sweep
     first = {r["run_id"]: r for r in results_under(out / "sweeps" / "first")}

@@ -393,8 +393,13 @@ def test_synthetic_data_draws_from_the_models_vocabulary():
         check_config(compose_spec(tiny("smollm2-135m")), "cpu")
 
 
+# A tiny copy of llama3.1-8b or qwen2.5-7b is the layout of llama3.2-1b or qwen2.5-0.5b with an untied
+# head, which mistral-7b's covers: the sweep (80 s each) leaves those two out.
+SWEPT_FAMILIES = [name for name in PUBLISHED if name not in ("llama3.1-8b", "qwen2.5-7b")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", PUBLISHED)  # mixtral-8x7b: a mixture of experts
+@pytest.mark.parametrize("name", SWEPT_FAMILIES)  # mixtral-8x7b: a mixture of experts
 def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
     """The Done-when of bringing a model, as a user runs it: every checkpoint option, accumulation,
     pure bf16, DDP and FSDP (2 gloo ranks) on a tiny version of the family, through the CLI.

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import FAST, ROOT, results_under, run_cli
 
 try:
@@ -33,6 +35,7 @@ def test_console_scripts_run_ablate_and_its_report(tmp_path):
     assert report.stdout.startswith("# ablate report: 1 run (1 ok)")
 
 
+@pytest.mark.slow  # two CLI runs and a sweep: 22 s
 def test_a_single_run_that_fails_exits_non_zero_and_a_sweep_does_not(tmp_path):
     """A script running one point notices it failed; a sweep that survives its failing points
     exits 0 (its rows say how each ended)."""
@@ -88,6 +91,7 @@ def test_a_slurm_start_that_fails_fails_the_eval_around_it(tmp_path):
     assert (f"{taken} belongs to another user" if root else "run me as root") in proc.stderr
 
 
+@pytest.mark.slow  # a plan through the CLI: 11 s
 def test_a_plan_for_an_unnamed_device_on_a_cpu_host_says_it_plans_for_a_gpu(tmp_path):
     """predict_only with device=auto plans for the GPU the user means to run on (its CUDA context
     counted): on a host without one, one line says so and how to plan for this CPU instead."""

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import OmegaConf
 
 from helpers import CONF, ROOT, results_under
 
@@ -115,6 +114,7 @@ TINYLLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16"}
 
 
+@pytest.mark.slow  # the recipe's sweep: 16 s
 def test_the_fit_recipe_answers_per_card_as_written(tmp_path):
     """README's recipe, its lines as written, on a hand-written TinyLlama config.json: the sweep's
     last lines and the report each open with a recommended combination per card, with its

@@ -90,6 +90,7 @@ def test_what_made_a_row_invalid_or_an_input_file_can_be_mended_and_the_rerun_ru
 
 # 2. Two sweeps into one directory.
 
+@pytest.mark.slow  # two sweeps: 11 s
 def test_two_sweeps_into_one_directory_run_each_point_once(tmp_path):
     sweep = tmp_path / "s"
     cmd = [sys.executable, "-m", "ablate", "-m", "seed=1,2", f"hydra.sweep.dir={sweep}", f"out_dir={tmp_path}", *FAST]

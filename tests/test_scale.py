@@ -251,7 +251,7 @@ def test_scale_cpu_is_a_group_of_its_own_not_a_technique():
     assert unknown_key(["model=gpt2-xl", "scale=cpu"]) is None
 
 
-@pytest.mark.parametrize("preset", slow_except(PRESETS, "demo", "single_gpu_techniques"))
+@pytest.mark.parametrize("preset", slow_except(PRESETS, "demo"))
 def test_scale_cpu_predicts_every_technique_as_on_a_gpu(preset, gpu_plan, tmp_path):
     """The predictor at scale=cpu on the CPU against the predictor at full size on a GPU."""
     gpu, cpu = side_by_side(preset, gpu_plan, tmp_path, "scale=cpu", "predict_only=true")

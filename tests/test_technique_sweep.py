@@ -65,6 +65,7 @@ def sweeps(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the sweeps take 80 s on two cores; each option's own tests run it in the default suite
 @pytest.mark.parametrize("group", SWEPT)
 def test_every_option_is_ok_or_invalid_with_a_reason(sweeps, group):
     rows = {r["choices"][group]: r for r in results_under(sweeps / group)}
