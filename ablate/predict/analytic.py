@@ -33,6 +33,7 @@ from ablate.predict import Prediction
 from ablate.predict.adapters import FULL, Training, recompute_grads, unfed
 from ablate.predict.attention import Attention, attention_temps, eager_mask
 from ablate.predict.layers import Arch, arch_of, attention_saves, forward_temp, inner_temp, layer_saves, mlp_saves
+from ablate.predict.tiling import tile_mlp
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
 from ablate.spec import RunSpec
 
@@ -229,18 +230,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         raise Unmodelled(f"no analytic memory model for selective op recompute over {at.kind} attention's (T, T) ops")
     n = t.tiling.mlp_chunks(shapes.s, a.hidden)
     tiled = n > 1  # one slice is the untiled MLP
-    if tiled and tr != FULL and (r != c or tr.dora):
-        raise Unmodelled("no analytic memory model for adapters over a tiled MLP under autocast or DoRA (each slice "
-                         "casts the adapters' inputs again; DoRA takes its weight norm again for every slice)")
-    if tiled:  # one slice's MLP at a time, recomputed and differentiated in backward beside the
-        # slices' input gradients made so far (one (B, T, h) at most); at the end those gradients
-        # joined, or in forward the slices' outputs and their concatenation: two (B, T, h)
-        sizes.inner_temp = max(shapes.sbh * c + (sizes.inner_temp + sizes.mlp_saved) / n, 2 * shapes.sbh * c)
-        sizes.forward_temp = forward_temp(a, -(-sb // n), r, c, tr)  # an adapted MLP's, over one slice
-        if r != c:  # autocast in each slice's recompute: its casts of the slice for gate and up, and of the weights
-            mlp_weights = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_names)
-            sizes.inner_temp += 2 * shapes.sbh * c / n + mlp_weights * c
-        sizes.mlp_untiled, sizes.mlp_saved, sizes.tiled_mlp = sizes.mlp_saved, 0.0, True
+    if tiled:
+        tile_mlp(sizes, shapes, tr, n)
     sizes.attn_saved = attention_saves(a, sb, r, c, ln, at) if at.kind != "fused" else 0.0
     # RMSNorm's backward in fp32: the gradient of its normalised input and of its fp32 input, two
     # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
