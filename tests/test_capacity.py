@@ -99,6 +99,7 @@ def test_predict_only_plans_a_gpu_grid_on_a_machine_without_one(tmp_path):
     assert not list(tmp_path.rglob("events.jsonl"))
 
 
+@pytest.mark.slow  # two sweeps: 9 s
 def test_prune_records_predicted_oom_and_a_later_run_measures_it(tmp_path):
     small, big = predicted_peak("batch_size=4"), predicted_peak("batch_size=32")
     gib = gib_for((small + big) / 2)

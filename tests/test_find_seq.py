@@ -157,7 +157,8 @@ def test_find_seq_joins_the_run_id_only_when_set():
 
 
 @pytest.mark.parametrize("positions, fits, above", [
-    (4608, 4096, 4608),  # two probes (4,096, then the model's 4,608) and the point: about 15 s on two idle cores
+    # two probes (4,096, then the model's 4,608) and the point: about 15 s on two idle cores
+    pytest.param(4608, 4096, 4608, marks=pytest.mark.slow),
     pytest.param(16384, 6144, 6656, marks=pytest.mark.slow),  # four probes: 4,096, 8,192, 6,144, 6,656
 ])
 def test_a_cpu_search_under_an_emulated_card_finds_the_longest_length_that_fits(tmp_path, positions, fits, above):

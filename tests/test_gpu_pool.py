@@ -293,6 +293,7 @@ def test_a_job_that_left_no_result_is_a_row_naming_why(tmp_path):
         "local submitit job 17 ended FINISHED without a result (killed)"
 
 
+@pytest.mark.slow  # a copied checkout's sweep: 8 s
 def test_a_pool_sweep_runs_from_a_checkout_that_is_not_installed(tmp_path):
     """The GPU host's set-up, end to end: a Python that has the packages but not ablate's install
     (a venv whose site-packages names this one's in a .pth: no editable finder), the checkout on

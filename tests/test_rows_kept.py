@@ -48,6 +48,7 @@ def test_a_diverged_run_is_a_terminal_row_saying_from_which_step(tmp_path):
     assert "[   skip]" in again.stdout and len(list(tmp_path.rglob("events.jsonl"))) == 1
 
 
+@pytest.mark.slow  # a sweep: 10 s
 def test_a_sweep_with_a_diverged_point_reports_one_ok_and_one_diverged_row(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     run = run_cli(["-m", "optimizer.lr=1e-3,1e6", f"hydra.sweep.dir={sweep}"], tmp_path)

@@ -96,6 +96,7 @@ def ok_or_invalid(group: str, rows: dict) -> None:
         assert set(row["choices"]) == set(GROUPS)
 
 
+@pytest.mark.slow  # the same sweeps
 def test_the_sweep_shows_the_techniques_effects(sweeps):
     def metrics(group: str, option: str) -> dict:
         (row,) = [r for r in results_under(sweeps / group) if r["choices"][group] == option]
