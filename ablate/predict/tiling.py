@@ -12,7 +12,7 @@ from ablate.predict.layers import forward_temp
 from ablate.techniques import Unmodelled
 
 if TYPE_CHECKING:
-    from ablate.predict.analytic import Shapes
+    from ablate.predict.shapes import Shapes
     from ablate.predict.timeline import Sizes
 
 

@@ -14,7 +14,7 @@ from ablate.predict.head_and_loss import LossPlay
 from ablate.techniques import Unmodelled  # noqa: F401  (the predictor's callers import it from here)
 
 if TYPE_CHECKING:
-    from ablate.predict.analytic import Shapes
+    from ablate.predict.shapes import Shapes
 
 KEYS = ("params", "grads", "optimizer", "activations", "other")  # the result contract's breakdown_mib keys
 
