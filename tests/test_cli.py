@@ -153,7 +153,10 @@ def test_compile_reports_its_time_apart_and_keeps_the_losses(tmp_path):
     (e,) = results_under(tmp_path / "eager")
     (c,) = results_under(tmp_path / "compiled")
     assert c["status"] == "ok" and e["metrics"]["compile_s"] is None
-    assert c["metrics"]["compile_s"] > 10 * c["metrics"]["iter_time_ms"] / 1e3  # compiling dwarfs a step
+    # Compilation is timed apart from the steps: were it inside the first measured step, the mean step
+    # would hold a share of it. The bound is one step, not ten: load on the machine moves the ratio,
+    # and how many steps a compile is worth is not the claim.
+    assert c["metrics"]["compile_s"] > c["metrics"]["iter_time_ms"] / 1e3
     assert c["metrics"]["losses"] == pytest.approx(e["metrics"]["losses"], abs=1e-4)
 
 
