@@ -25,6 +25,7 @@ PRESETS = {
     "full_7b": ("llama3.1-8b", 26, 104),
     "optimizers": ("gpt-mini", 20, 20),
     "long_context": ("llama3.2-1b", 9, 18),
+    "groups_check": ("llama3.2-1b", 24, 24),
 }
 # Scaled down for a CPU as the presets' headers say (conf/scale/cpu.yaml; tests/test_scale.py checks
 # that each technique's memory effect points there as on a GPU).
@@ -218,6 +219,36 @@ def bench(preset: str, tmp_path, *overrides: str) -> str:
     for image in (tmp_path / "results" / "cpu" / preset).glob("*.png"):
         assert f"]({preset}/{image.name})" in md  # every plot is linked from the page
     return md
+
+
+# groups_check on a CPU: the preset's rungs over a 2-layer Llama of width 64.
+TINY_LLAMA = ["model.config.num_hidden_layers=2", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+              "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
+              "model.config.vocab_size=512", "data.vocab_size=512", "batch_size=2", "seq_len=128", "steps=2",
+              "device=cpu"]
+
+
+@pytest.mark.slow
+def test_groups_check_benchmark_on_a_cpu(tmp_path):
+    """The page a GPU host records, made on a CPU: every rung a CPU can run is predicted within 2% of
+    MemTracker's peak, and each GPU-only kernel is an invalid row that says it needs CUDA."""
+    out = subprocess.run([sys.executable, "benchmarks/groups_check.py", "--results", str(tmp_path / "results"),
+                          "--sweep-dir", str(tmp_path / "sweep"), f"out_dir={tmp_path}", *TINY_LLAMA],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = results_under(tmp_path / "sweep")
+    assert len(runs) == PRESETS["groups_check"][2]
+    invalid = {r["reason"].split(" ", 1)[0] for r in runs if r["status"] == "invalid"}
+    assert invalid == {"attention=flash", "attention=cudnn", "attention=flex", "loss=liger", "loss=cce",
+                       "kernels=liger"}
+    assert all("CUDA" in r["reason"] for r in runs if r["status"] == "invalid")
+    ok = [r for r in runs if r["status"] == "ok"]
+    assert len(ok) == len(runs) - len(invalid)
+    for r in ok:
+        assert r["prediction"]["peak_mib"] == pytest.approx(r["metrics"]["peak_allocated_mib"], rel=0.02), \
+            r["overrides"]
+    md = (tmp_path / "results" / "cpu" / "groups_check.md").read_text()
+    assert md.startswith("# groups_check on CPU") and "Prediction error" in md
 
 
 def rows(md: str, heading: str) -> list[str]:

@@ -37,6 +37,9 @@ UNSCALED = {
     # find_seq searches the longest sequence under a card's capacity; scale=cpu runs on the host, which
     # has none to search under (its points are invalid rows saying so).
     "long_context",
+    # A check of the predictor on a GPU's kernels and allocator, not of a technique's direction: a
+    # CPU runs its rungs on a tiny Llama instead (tests/test_presets.py), the GPU-only ones invalid.
+    "groups_check",
 }
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml") if p.stem not in UNSCALED)
 # A change under 2% of the baseline's peak has no direction. MemTracker's peaks are byte counts of
