@@ -51,6 +51,24 @@ def test_rungs_apart_sweep_within_a_rung_and_a_command_line_grid_runs_the_whole_
     assert [("optimizer=sgd" in line) for line in launched] == [True] * 3 + [False] * 3  # one ladder, then the next
 
 
+def test_only_runs_the_rungs_it_names_as_they_are_in_the_whole_ladder(tmp_path):
+    rungs = "hydra.sweeper.rungs=[{batch_size:8},{accumulation:x2},{checkpoint:block},{optimizer:sgd}]"
+    out = run_cli([*LADDER, rungs, "hydra.sweeper.only=[3,1]", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, fast=False)
+    assert out.returncode == 0, out.stderr
+    runs = by_rung(tmp_path / "s")
+    assert [r["config"]["rung"] for r in runs] == [1, 3]
+    assert [(r["config"]["batch_size"], r["config"]["accumulation"]["steps"], r["choices"]["checkpoint"],
+             r["choices"]["optimizer"]) for r in runs] == [(8, 2, "none", "adamw"), (8, 2, "block", "sgd")]
+
+
+@pytest.mark.parametrize("only", ["[4]", "2"])
+def test_only_names_the_rungs_it_can_take(tmp_path, only):
+    rungs = "hydra.sweeper.rungs=[{batch_size:8},{accumulation:x2},{checkpoint:block},{optimizer:sgd}]"
+    out = run_cli([*LADDER, rungs, f"hydra.sweeper.only={only}"], tmp_path, fast=False)
+    assert out.returncode != 0
+    assert "hydra.sweeper.only" in out.stderr and "each from 0 to 3" in out.stderr
+
+
 def test_the_command_line_wins_over_a_rung(tmp_path):
     rungs = "hydra.sweeper.rungs=[{batch_size:8},{batch_size:16,checkpoint:block}]"
     out = run_cli([*LADDER, rungs, "batch_size=2", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, fast=False)

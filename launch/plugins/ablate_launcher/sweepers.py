@@ -17,7 +17,9 @@ A rung is a mapping of override key -> value, the same syntax as `hydra.sweeper.
 command line (and `params`) still forms a grid, and every point of that grid runs the whole
 ladder; where the command line and a rung set the same key, the command line wins. Each job gets
 `rung=<index>` (a run key left out of run_id), which the report's `--ladder` orders rows by.
-`stop_after_oom: true` ends a rung's own sweep at its first OOM (see `sweep`).
+`stop_after_oom: true` ends a rung's own sweep at its first OOM (see `sweep`). `only: [4, 5]` runs
+just those rungs, each as it is in the whole ladder (a cumulative rung keeps the rungs above it) and
+under its own index: a long ladder measured in parts, or the rows that matter first.
 Lives in `hydra_plugins.ablate_launcher` because Hydra takes sweeper classes from that namespace only.
 """
 from __future__ import annotations
@@ -50,7 +52,8 @@ def _by_key(overrides: List[str]) -> dict:
 
 class LadderSweeper(BasicSweeper):
     def __init__(self, rungs: Optional[List[Any]] = None, cumulative: bool = True, stop_after_oom: bool = False,
-                 max_batch_size: Optional[int] = None, params: Optional[dict] = None) -> None:
+                 max_batch_size: Optional[int] = None, params: Optional[dict] = None,
+                 only: Optional[List[int]] = None) -> None:
         super().__init__(max_batch_size=max_batch_size, params=params)
         rungs = OmegaConf.to_container(rungs) if isinstance(rungs, (DictConfig, ListConfig)) else rungs
         if not rungs:
@@ -60,6 +63,12 @@ class LadderSweeper(BasicSweeper):
                 raise ValueError(f"hydra.sweeper.rungs[{i}] = {rung!r}: each rung is a mapping of key: value")
         self.rungs = [{str(k): _override_value(v) for k, v in rung.items()} for rung in rungs]
         self.cumulative, self.stop_after_oom = cumulative, stop_after_oom
+        only = OmegaConf.to_container(only) if isinstance(only, ListConfig) else only
+        if only is not None and (not isinstance(only, list) or not only or
+                                 not all(type(i) is int and 0 <= i < len(rungs) for i in only)):
+            raise ValueError(f"hydra.sweeper.only={only!r}: a list of rung indices, each from 0 to {len(rungs) - 1} "
+                             f"(hydra.sweeper.rungs has {len(rungs)} rungs)")
+        self.only = None if only is None else set(only)
 
     def settings(self) -> Iterator[dict]:
         """Each rung's overrides (key -> value): with everything above it when cumulative."""
@@ -75,6 +84,8 @@ class LadderSweeper(BasicSweeper):
         groups = []
         for point in BasicSweeper.split_arguments(overrides, None)[0]:
             for index, setting in enumerate(self.settings()):
+                if self.only is not None and index not in self.only:
+                    continue
                 rung = parser.parse_overrides([f"{k}={v}" for k, v in setting.items()])
                 groups.append([[*{**_by_key(combo), **_by_key(point)}.values(), f"rung={index}"]  # command line wins
                                for combo in BasicSweeper.split_arguments(rung, None)[0]])
