@@ -35,15 +35,14 @@ EIGHTHS = 8  # a shorter power's step is P/8, so a short answer is as precise, r
 
 
 def searching(spec: RunSpec) -> bool:
-    """Whether the point asks for the search. find_seq is a key only the job reads, so it rides in
-    RunSpec.extra (the worker never sees it set)."""
-    return bool(spec.extra.get("find_seq"))
+    """Whether the point asks for the search (the job's: a worker is handed its point with it unset)."""
+    return spec.find_seq
 
 
 def at_seq_len(spec: RunSpec, seq_len: int, steps: int | None = None) -> RunSpec:
     """This point at `seq_len`, not searching again; `steps` replaces steps (and samples) for a probe."""
     more = {"steps": steps, "samples": None} if steps else {}
-    return spec.replace(seq_len=seq_len, extra={**spec.extra, "find_seq": False}, **more)
+    return spec.replace(seq_len=seq_len, find_seq=False, **more)
 
 
 def limit_of(spec: RunSpec) -> int:

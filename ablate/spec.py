@@ -39,6 +39,7 @@ class RunSpec:
     prune: bool
     prune_margin: float
     find_batch: bool
+    find_seq: bool = False  # a config written before the length search has no such key
     extra: dict[str, Any] = field(default_factory=dict)  # keys only the job reads: out_dir, skip_existing, rung
 
     @classmethod
@@ -46,7 +47,7 @@ class RunSpec:
         """From a resolved config (enums as strings)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"groups", "extra"}
         return cls(groups={g: copy.deepcopy(config[g]) for g in GROUPS},
-                   **{k: config[k] for k in names},
+                   **{k: config[k] for k in names if k in config},  # a defaulted key may be absent
                    extra={k: v for k, v in config.items() if k not in names and k not in GROUPS})
 
     def to_config(self) -> dict:
