@@ -16,7 +16,9 @@ from ablate.build import check_config
 from ablate.measure import StepCounter, traced_step
 from ablate.models.gpt_module import GPTModule, GPTConfig
 from ablate.techniques import Invalid, Plan
-from ablate.techniques.optimizer import SGD, Adafactor, AdamW, AdamW8bit, InBackward
+from ablate.techniques.adafactor import Adafactor
+from ablate.techniques.lowbit import AdamW8bit
+from ablate.techniques.optimizer import SGD, AdamW, InBackward
 from helpers import ROOT, compose_config, compose_spec, train_nano
 
 CPU = torch.device("cpu")

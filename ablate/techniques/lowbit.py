@@ -1,5 +1,5 @@
-"""optimizer group, continued: torchao's AdamW with low-bit states (adamw4bit, adamw8bit_ao,
-adamw_fp8), beside torch's optimizers and bitsandbytes' 8-bit AdamW in ablate/techniques/optimizer.py.
+"""optimizer group, continued: AdamW with low-bit states, bitsandbytes' (adamw8bit) and torchao's
+(adamw4bit, adamw8bit_ao, adamw_fp8), beside torch's optimizers in ablate/techniques/optimizer.py.
 Each option's states in bytes are the analytic predictor's (ablate/predict/analytic.py)."""
 from __future__ import annotations
 
@@ -189,3 +189,46 @@ def _bf16_state_adamw() -> type[torch.optim.Optimizer]:
             return torch.zeros_like(p, dtype=torch.bfloat16)
 
     return AdamWBf16States
+
+
+class AdamW8bit(TorchOptimizer):
+    """bitsandbytes' AdamW with both states quantised blockwise to 8 bits: 2 bytes/param (plus one
+    fp32 absmax per 256 values) instead of 8. Tensors under `min_8bit_size` elements keep fp32 states."""
+
+    label = "8-bit AdamW"
+
+    def __init__(self, lr: float = 6e-4, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
+                 min_8bit_size: int = 4096, in_backward: bool = False):
+        super().__init__(lr, weight_decay, in_backward)
+        self.betas, self.min_8bit_size = tuple(betas), min_8bit_size
+
+    def check(self, plan: Plan) -> None:
+        super().check(plan)
+        if not _installed("bitsandbytes"):
+            raise Invalid("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes")
+
+    def check_values(self) -> None:
+        """Left to bitsandbytes in the worker: importing it would cost the job process seconds."""
+
+    reads_values = True
+
+    def state_bytes(self, shape: tuple, d: int, device: str, name: str = "") -> float:
+        numel = math.prod(shape)
+        if numel < self.min_8bit_size:
+            return 2 * numel * 4  # small tensors keep fp32 states
+        return 2 * numel + 2 * math.ceil(numel / 256) * 4  # uint8 states + one fp32 absmax per 256 values
+
+    def step_temp_bytes(self, groups: list[list[int]], d: int, device: str) -> float:
+        return 0.0  # one fused kernel per tensor
+
+    def shared_state_bytes(self, largest: int) -> float:
+        return 2 * 256 * 4 if largest >= self.min_8bit_size else 0.0  # the two fp32 quantisation maps
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        from bitsandbytes.optim import AdamW8bit  # optional dependency, imported only when used
+
+        return AdamW8bit
+
+    def optimizer_kwargs(self) -> dict:
+        return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay,
+                "min_8bit_size": self.min_8bit_size}
