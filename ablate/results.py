@@ -5,15 +5,14 @@ atomically, so a reader never sees half a result.
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-# The point's identity lives in ablate/run_identity.py; results.run_id and the rest stay reachable here.
+# Writing files that survive a full disk lives in ablate/disk.py, the point's identity in
+# ablate/run_identity.py; results.write_json, results.run_id and the rest stay reachable here.
+from ablate.disk import MIN_FREE_KIB, NO_SPACE, DiskFull, check_room, clear_path, free_kib, write_json  # noqa: F401
 from ablate.run_identity import (INPUT_KEYS, MODULE_KEYS, SMALL_FILE, fingerprint, input_paths,  # noqa: F401
                                  module_source, run_id)
 
@@ -116,60 +115,6 @@ def clear_artifacts(run_dir: str | Path) -> None:
     for path in [*(Path(run_dir) / name for name in ARTIFACTS.values()),
                  *Path(run_dir).glob("oom_snapshot.rank*.pickle")]:
         path.unlink(missing_ok=True)
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota
-MIN_FREE_KIB = 1024  # below this a point cannot write its files (.hydra/, spec.json, logs, result.json)
-
-
-def free_kib(path: str | Path) -> float:
-    """KiB free to this user on the file system holding `path` (or its nearest existing parent)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free / 1024
-
-
-class DiskFull(SystemExit):
-    """A sweep that has run out of disk space stops with one line naming where and how much is
-    left. A SystemExit passes through Hydra's job and sweep loops (which catch Exception and would
-    print a traceback, or go on to the next point, which cannot write either)."""
-
-    def __init__(self, where: str | Path, what: str):
-        super().__init__(f"error: {what}: {free_kib(where):,.0f} KiB free under {where}. The sweep stops; free some "
-                         "space and run the same command again (finished points are skipped).")
-
-
-def check_room(where: str | Path, what: str = "no room left for the next point") -> None:
-    """Raise DiskFull when less than MIN_FREE_KIB is free under `where`."""
-    if free_kib(where) < MIN_FREE_KIB:
-        raise DiskFull(where, what)
-
-
-def write_json(path: str | Path, obj: dict) -> None:
-    """Atomic: a temporary file in the same directory, fsynced, then renamed over the target."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes its file 0600; a result is read by teammates' reports on a shared directory,
-        # so it gets what open() would give any other file: 0666 less the umask.
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it, so set back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 # The contract's sections and their JSON types. `artifacts` came later under the same schema
@@ -303,14 +248,6 @@ def is_terminal(result: dict) -> bool:
     return result.get("status") in TERMINAL and not predicted_oom(result) and not not_run(result)
 
 
-def _clear(path: Path) -> None:
-    """Remove whatever is at `path` (a file, a link, a directory tree); nothing if nothing is."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
 class Index:
     """<out_dir>/index/<run_id>: the path of the newest result.json of each run_id.
 
@@ -330,7 +267,7 @@ class Index:
         tmp = self.root / f".{run_id}.{os.getpid()}.tmp"
         try:
             tmp.write_text(str(Path(result_path).resolve()))
-            _clear(self.root / run_id)  # a directory in its place: os.replace cannot replace one
+            clear_path(self.root / run_id)  # a directory in its place: os.replace cannot replace one
             os.replace(tmp, self.root / run_id)
         except BaseException:  # a full disk: no temporary left behind
             tmp.unlink(missing_ok=True)
@@ -351,7 +288,7 @@ class Index:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0][:120]
             warn(f"note: the index entry {entry} is not one ({why}): running its point again, "
                  "which replaces it")
-            _clear(entry)
+            clear_path(entry)
             return None
         if not path.exists():
             return None

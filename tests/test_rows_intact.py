@@ -163,8 +163,8 @@ if os.environ.get("TEST_ENOSPC") == "result":  # the row's rename fails after it
         return _replace(src, dst, *a, **k)
     os.replace = replace
 if os.environ.get("TEST_FREE_KIB"):  # the file system reports this much free
-    import ablate.results
-    ablate.results.free_kib = lambda path: float(os.environ["TEST_FREE_KIB"])
+    import ablate.disk
+    ablate.disk.free_kib = lambda path: float(os.environ["TEST_FREE_KIB"])
 '''
 
 
