@@ -14,7 +14,7 @@ from ablate import results
 from ablate.capacity import largest_fitting, micro_batches
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
-from launch.local import Outcome
+from launch.worker_exit import Outcome
 
 MARGIN = 0.05  # a probe must stay 5% under the capacity to count as fitting
 

@@ -28,7 +28,7 @@ from ablate.capacity import largest_fitting
 from ablate.find_batch import Stopped, prober, under_margin
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
-from launch.local import Outcome
+from launch.worker_exit import Outcome
 
 STEP = 1024  # tokens: the refinement's coarsest step, the granularity long contexts are quoted in
 EIGHTHS = 8  # a shorter power's step is P/8, so a short answer is as precise, relatively, as a long one

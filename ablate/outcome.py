@@ -21,7 +21,8 @@ from ablate.predict.step_time import step_time_s
 from ablate.predict.timeline import Unmodelled
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
-from launch.local import SPEC, Outcome, run_worker, worker_command
+from launch.local import SPEC, run_worker, worker_command
+from launch.worker_exit import Outcome
 from launch.nvml import gpu_total_mib, visible_gpu_count
 
 

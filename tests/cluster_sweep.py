@@ -32,7 +32,7 @@ from ablate.console import Progress
 from ablate.predict import Prediction
 from ablate.schema import GROUPS, identity, short_dirname
 from analysis.module_memory import CATEGORIES
-from launch.local import Outcome
+from launch.worker_exit import Outcome
 from tests.helpers import CONF  # helpers registers the config schema
 
 # 2 × 5 × 5 × 2 × 2 × 5 = 1,000 points: two models (two families of 500), the batch the last axis.

@@ -189,7 +189,7 @@ def test_alloc_conf_reaches_the_worker_and_an_exported_one_is_recorded(tmp_path,
 def test_a_timeout_names_the_library_frame_and_ablates_own_below_it(tmp_path):
     """A worker stuck inside a library (a collective, a kernel wait): the row names that frame and
     the innermost frame of ablate's code that called it, from faulthandler's dump in the log."""
-    from launch.local import _hung_at
+    from launch.worker_exit import _hung_at
 
     log = tmp_path / "worker.log"
     assert _hung_at(log) == ""  # no log

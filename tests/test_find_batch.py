@@ -10,7 +10,7 @@ import pytest
 from ablate import find_batch, outcome, results
 from ablate.predict import Prediction
 from ablate.spec import RunSpec
-from launch.local import Outcome
+from launch.worker_exit import Outcome
 from tests.helpers import compose_spec
 
 CAPACITY = 1000.0  # MiB; fits under the margin: peak <= 950

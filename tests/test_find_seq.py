@@ -15,7 +15,7 @@ from ablate.predict import Prediction
 from ablate.predict.analytic import analytic
 from ablate.schema import identity
 from ablate.spec import RunSpec
-from launch.local import Outcome
+from launch.worker_exit import Outcome
 from tests.helpers import FAST, compose_config, compose_spec, results_under, run_cli
 
 CAPACITY = 1000.0  # MiB; a length fits while its peak stays under 950

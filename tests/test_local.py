@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from launch.local import worker_outcome
+from launch.worker_exit import worker_outcome
 
 
 def test_outcome_classification(tmp_path):

@@ -191,7 +191,7 @@ def test_a_cgroup_limit_counts_only_below_the_hosts_memory(tmp_path):
 
 def test_a_batch_search_stops_at_an_unmeasured_probe(tmp_path):
     from ablate import find_batch
-    from launch.local import Outcome
+    from launch.worker_exit import Outcome
 
     probes = []
 
