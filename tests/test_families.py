@@ -303,6 +303,18 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
         assert row["metrics"]["losses"] == pytest.approx(plain, rel=1e-4), parallel
 
 
+@pytest.mark.parametrize("checkpoint", ["attention", "layers"])
+def test_attention_recomputed_under_autocast_is_predicted_within_2_percent(checkpoint):
+    """Under autocast a recompute wrapper around Llama's attention keeps the first norm's output in
+    the stream's dtype where q, k and v kept three casts of it, and none of the projections' weight
+    casts: both count, or the prediction is 4% over."""
+    overrides = [*tiny("llama3.2-1b"), "data.vocab_size=128", "optimizer=adamw_foreach", f"checkpoint={checkpoint}",
+                 "precision=bf16"]
+    base = ["device=cpu", "batch_size=8", "seq_len=32"]
+    real = measured(overrides, base)
+    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.02)
+
+
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b",
                                   "mixtral-8x7b", "qwen2_moe", "qwen3-30b-a3b", "olmoe-1b-7b"])  # + mixtures of experts
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])

@@ -180,6 +180,12 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # gathers parameters already in that dtype, so nothing is cast there.
     if t.precision.autocast_dtype and not _fsdp(t):
         sizes.block_cast = (sum(shapes.param_numels[n] for n in shapes.linear_names) - _fp8_weights(t)) * c
+        # Attention recomputed on its own saves none of its projections' casts. Llama's layout only:
+        # GPT-2's and GPT-NeoX's peak in the loss forward under autocast, where the casts are all
+        # still cached and this model counts less than is held (their layer-type recompute -2.6%
+        # and -3.2% on CPU); dropping the casts after the forward would hide that, not mend it.
+        if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp and a.kind == "llama":
+            sizes.attn_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n not in shapes.mlp_names) * c
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
         sizes.lm_head_cast = (shapes.vocab if t.loss.from_hidden else shapes.padded_vocab) * shapes.h * c
     sizes.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host

@@ -113,7 +113,7 @@ def _full(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention, tr: Training
     if tr == FULL:
         return full, parts
     change = adapters.change(a, sb, r, c, tr)
-    parts = {k: max(v + change.get(k, 0.0), 0.0) for k, v in parts.items()}
+    parts = {k: max(v + change[k], 0.0) if k in change else v for k, v in parts.items()}
     return full + sum(change.values()), parts
 
 
@@ -158,7 +158,9 @@ def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[flo
     stats, lse = 2 * 2 * sb * 4, sb * a.heads * 4
     sdpa, sdpa_matmul = (3 * sbh * c + lse, lse) if at.kind == FUSED else scores(a, sb, c, at, mask=at.seq ** 2)
     full = (1 + 1 + 1 + 4 + 4) * sbh * c + sdpa + sbh * ln + sbh * (ln - r) + stats
-    return full, {"attn": sbh * c + sdpa, "mlp": 8 * sbh * c, "norm": stats,
+    # attn_input: ln_1's output as c_attn keeps it (cast, under autocast) less as a recompute
+    # wrapper around attention keeps it (the norm's output, in the stream's dtype)
+    return full, {"attn": sbh * c + sdpa, "attn_input": sbh * (c - r), "mlp": 8 * sbh * c, "norm": stats,
                   "matmul": (3 + 1 + 4 + 1 + 1) * sbh * c + sdpa_matmul, "mlp_matmul": 5 * sbh * c,
                   "mlp_input": sbh * c}
 
@@ -203,7 +205,10 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     mlp_recomputed = mlp + (ln_2_casts * sbh * c - sbh * r if r != c else 0) if a.experts else mlp
     # A recomputed RMSNorm keeps only its input (r): its fp32 copy (when r != 4) goes too, and the
     # input it keeps is one that would have been kept or copied anyway.
-    return full, {"attn": attn, "mlp": mlp_recomputed, "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
+    # attn_input: ln_1's output as q, k and v keep it (three casts under autocast, else one) less as
+    # a recompute wrapper around attention keeps it (the norm's output, in the stream's dtype)
+    return full, {"attn": attn, "attn_input": (3 * c if r != c else c) * sbh - r * sbh, "mlp": mlp_recomputed,
+                  "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA; the MLP's
                   "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul, "mlp_matmul": mlp_matmul,
                   "mlp_input": (ln_2_casts if r != c else 1) * sbh * c}

@@ -90,6 +90,7 @@ class Sizes:
     attn_forward_temp: float = 0.0
     attn_backward_temp: float = 0.0
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
+    attn_cast: float = 0.0  # of them, attention's, which its recompute wrapper saves none of (cast again in backward)
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
@@ -179,7 +180,8 @@ class Step(LossPlay):
         tl.alloc("activations", keep(sizes.ln_f_stats + self.ln_copy) + self.head_input() + sizes.lm_head_cast)
         self.loss_forward()
         # Autocast's cache goes with the forward: casts backward does not need on the device with it.
-        tl.free("activations", sum(sizes.block_cast for saved, _ in sizes.blocks if not self.keeps_cast(saved))
+        tl.free("activations", sum(sizes.block_cast if not self.keeps_cast(saved) else sizes.attn_cast
+                                   for saved, _ in sizes.blocks)
                 + sizes.lm_head_cast - self.head_cast_kept())
         if sizes.reshard:  # the root's forward ends with the loss; its backward gathers it again
             self.release(sizes.root)
@@ -207,7 +209,7 @@ class Step(LossPlay):
                 if sizes.offload_ahead > 0 else 0.0  # the next layers' saved tensors, fetched early
             tl.alloc("activations", ahead)
             back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
-            back += 0 if self.keeps_cast(saved) else self.sizes.block_cast  # cast again, or copied back
+            back += self.sizes.attn_cast if self.keeps_cast(saved) else self.sizes.block_cast  # cast again, or copied back
             early = 0.0  # kept bytes freed before the recompute
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
             for n in mlp if sizes.tiled_mlp else ():
@@ -234,7 +236,7 @@ class Step(LossPlay):
             for n in self.block_names[i]:
                 if n not in mlp:
                     self.grad(sizes.grads[n], n)
-            kept = keep(saved) + (self.sizes.block_cast if self.keeps_cast(saved) else 0) - early
+            kept = keep(saved) + (self.sizes.block_cast - self.sizes.attn_cast if self.keeps_cast(saved) else 0) - early
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0) + ahead)  # and its input (x0 below)
             self.reduce(sizes.block, self.block_names[i], sync)
             self.release(sizes.block)

@@ -122,7 +122,8 @@ class Sublayer(_Recompute):
         return self.part == "attn"
 
     def kept(self, index: int, full: float, parts: dict) -> float:
-        return full - parts[self.part]  # the sub-layer's input (a norm output) is kept
+        # the sub-layer's input (a norm output) is kept: attention's, in place of its projections' casts
+        return full - parts[self.part] - (parts.get("attn_input", 0.0) if self.part == "attn" else 0.0)
 
     def check(self, plan: Plan) -> None:
         self._validate()
@@ -217,8 +218,8 @@ class Layers(_Recompute):
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         saved = full
-        if "attention" in self.types:  # its insides recomputed; its input kept
-            saved -= parts["attn"]
+        if "attention" in self.types:  # its insides recomputed; its input kept (not its projections' casts)
+            saved -= parts["attn"] + parts.get("attn_input", 0.0)
         if "layernorm" in self.types:  # what a norm keeps beyond its input
             saved -= parts["norm"]
             if "attention" not in self.types:  # Qwen3's q/k norms: wrapped inside attention only when it is not
