@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from ablate.results import STATUSES
-from analysis import compare, provenance, recommend, table_cells, tables
+from analysis import batch_table, compare, provenance, recommend, table_cells, tables
 from analysis.load import load
 
 TABLES = ("setting", "batch", "full")
@@ -50,7 +50,7 @@ def sections(df: pd.DataFrame, labels: list[str], bases: pd.Series, which: tuple
             out.append((heading + suffix, tables.setting(part, part_labels, bases[part.index[0]], ladder=ladder)))
         if "batch" in which and "batch_size" in part_labels:
             out += [(f"Batch size scan{suffix}: {t}" if title else f"Batch size scan: {t}", table)
-                    for t, table in tables.batch(part, part_labels).items()]
+                    for t, table in batch_table.batch(part, part_labels).items()]
     if "full" in which:
         out.append(("All runs", tables.full(df, labels, bases)))
         effects = tables.marginal(df, labels)

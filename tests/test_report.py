@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from ablate import results
-from analysis import compare, plot_common, tables
+from analysis import batch_table, compare, plot_common, tables
 from analysis.load import load
 from analysis.report import main
 from helpers import ROOT
@@ -83,7 +83,7 @@ def test_batch_table_stops_at_the_first_oom_and_shows_usage_mean_std(tmp_path):
     for b in (9, 16):
         _write(tmp_path, f"b{b}", status="oom", reason="CUDA out of memory", batch=b)
     df = load([tmp_path])
-    (title, t), = tables.batch(df, compare.varied(df)).items()
+    (title, t), = batch_table.batch(df, compare.varied(df)).items()
     assert list(t["Batch Size"]) == ["1", "2", "4", "7", "8", "9"]  # 16 is past the first OOM
     assert t.iloc[3].tolist() == ["7", "14,736", "86.2 +/- 9.7", "10.00", "52.50"]
     assert t.iloc[5].tolist() == ["9", "OOM", "", "", ""]
@@ -94,7 +94,7 @@ def test_a_combination_run_at_one_batch_size_gets_no_batch_table_of_one_row(tmp_
         _write(tmp_path, f"adamw{b}", peak=peak, latency=1.0, batch=b)
     _write(tmp_path, "sgd8", peak=2000, latency=1.0, batch=8, optimizer="sgd")  # one batch size: no scan
     df = load([tmp_path])
-    assert list(tables.batch(df, compare.varied(df))) == ["optimizer=adamw"]
+    assert list(batch_table.batch(df, compare.varied(df))) == ["optimizer=adamw"]
 
 
 def test_a_report_again_removes_the_plots_it_no_longer_draws_and_nothing_else(ladder, tmp_path):
@@ -117,7 +117,7 @@ def test_a_plans_batch_table_shows_predicted_peaks_and_the_oom_it_predicted(tmp_
            reason=f"{results.PRUNED} 20,236 MiB > 15,078 MiB (95% of 15,872 MiB usable); not run (predict_only)")
     _write(tmp_path, "b32", status="oom", batch=32, reason=f"{results.NOT_RUN} batch_size=16 was predicted to ...")
     df = load([tmp_path])
-    (_, t), = tables.batch(df, compare.varied(df)).items()
+    (_, t), = batch_table.batch(df, compare.varied(df)).items()
     assert t.values.tolist() == [["1", "~2,660 (predicted)"], ["8", "~10,862 (predicted)"],
                                  ["16", "OOM (predicted ~20,236)"]]
     assert list(t.columns) == ["Batch Size", "Memory (MiB)"]
