@@ -69,14 +69,16 @@ def run(preset: str, report_args: list[str], defaults: tuple[str, ...] = (), arg
         page: str | None = None) -> Path:
     """Run `preset`'s sweep with `defaults` and the overrides in argv (which replace a default of the
     same key); returns the written Markdown file, `<page>.md` (default: the preset's name)."""
-    page = page or preset
     parser = argparse.ArgumentParser(prog=f"benchmarks/{preset}.py", description=__doc__.splitlines()[0])
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"), help="where <device>/ goes")
     parser.add_argument("--sweep-dir", help="the sweep's directory (default outputs/benchmarks/<preset>/<time>)")
     parser.add_argument("--report-only", action="store_true",
                         help="render the report of a sweep that already ran (--sweep-dir, with the overrides it "
                              "ran with), e.g. one a GPU host handed back unfinished: nothing runs again")
+    parser.add_argument("--page", default=page or preset,
+                        help="the page's name (default: the preset's): a preset measured in parts, a page each")
     args, given = parser.parse_known_args(argv)
+    page = args.page
     if args.report_only and not args.sweep_dir:
         parser.error("--report-only needs --sweep-dir, the sweep that ran")
     overrides = [*(o for o in defaults if o.split("=")[0] not in {g.split("=")[0] for g in given}), *given]

@@ -209,7 +209,8 @@ class Step(LossPlay):
                 if sizes.offload_ahead > 0 else 0.0  # the next layers' saved tensors, fetched early
             tl.alloc("activations", ahead)
             back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
-            back += self.sizes.attn_cast if self.keeps_cast(saved) else self.sizes.block_cast  # cast again, or copied back
+            # cast again (attention's alone, where only it is recomputed), or copied back
+            back += self.sizes.attn_cast if self.keeps_cast(saved) else self.sizes.block_cast
             early = 0.0  # kept bytes freed before the recompute
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
             for n in mlp if sizes.tiled_mlp else ():
