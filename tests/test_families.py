@@ -303,6 +303,16 @@ def test_ddp_and_fsdp_train_a_transformers_model_as_one_process_does(tmp_path):
         assert row["metrics"]["losses"] == pytest.approx(plain, rel=1e-4), parallel
 
 
+@pytest.mark.parametrize("name", ["llama3.2-1b", "pythia-160m"])
+def test_block_recompute_peaks_with_the_mlps_output_projection_gradient_made(name):
+    """Recomputed, a layer's peak is in its MLP's backward, where the output projection (down_proj,
+    dense_4h_to_h) has made its weight's gradient before the activation's backward starts."""
+    overrides = [*tiny(name), "data.vocab_size=128", "optimizer=adamw_foreach", "checkpoint=block", "precision=fp32"]
+    base = ["device=cpu", "batch_size=8", "seq_len=32"]
+    real = measured(overrides, base)
+    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.005)
+
+
 @pytest.mark.parametrize("checkpoint", ["attention", "layers"])
 def test_attention_recomputed_under_autocast_is_predicted_within_2_percent(checkpoint):
     """Under autocast a recompute wrapper around Llama's attention keeps the first norm's output in

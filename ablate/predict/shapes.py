@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from ablate.build import Techniques
 from ablate.models import param_change
 from ablate.predict.layers import Arch, arch_of
@@ -27,6 +29,7 @@ class Shapes:
     lm_head: str | None  # the LM head's weight when untied, else None
     linear_names: list  # layer 0's parameters inside its attention and MLP (what autocast casts)
     mlp_names: frozenset = frozenset()  # every layer's parameters inside its MLP
+    mlp_out_names: frozenset = frozenset()  # of them, its output projection's (a dense MLP's last Linear)
     frozen: frozenset = frozenset()  # parameters that train not: no gradient, no optimizer state
     packed: dict = field(default_factory=dict)  # parameter name -> bytes per element of a non-float storage (4-bit)
 
@@ -82,8 +85,20 @@ def shapes_of(spec: RunSpec, t: Techniques) -> Shapes:
                   linear_names=[n for n in layout.layer_names[0]
                                 if n.startswith(inner) and n not in experts],
                   mlp_names=frozenset(n for i, names in enumerate(layout.layer_names) for n in names
-                                      if n.startswith(f"{layout.prefix}{i}.{a.mlp}.")), frozen=layout.frozen,
-                  packed=_packed(layout))
+                                      if n.startswith(f"{layout.prefix}{i}.{a.mlp}.")),
+                  mlp_out_names=_mlp_out(layout, a, experts), frozen=layout.frozen, packed=_packed(layout))
+
+
+def _mlp_out(layout, a, experts) -> frozenset:
+    """Every layer's parameters of its MLP's output projection: the MLP's last Linear child (down_proj,
+    c_proj), read off the meta model's layer 0. None for a mixture of experts, or where adapters wrap
+    the MLP's Linears (their own backward orders the gradients)."""
+    mlp = layout.model.get_submodule(f"{layout.prefix}0.{a.mlp}")
+    linears = [name for name, m in mlp.named_children() if type(m) is nn.Linear]
+    if experts or not linears:
+        return frozenset()
+    return frozenset(n for i, names in enumerate(layout.layer_names) for n in names
+                     if n.startswith(f"{layout.prefix}{i}.{a.mlp}.{linears[-1]}."))
 
 
 def _packed(layout) -> dict:

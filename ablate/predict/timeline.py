@@ -213,7 +213,9 @@ class Step(LossPlay):
             back += self.sizes.attn_cast if self.keeps_cast(saved) else self.sizes.block_cast
             early = 0.0  # kept bytes freed before the recompute
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
-            for n in mlp if sizes.tiled_mlp else ():
+            # the output projection's gradients come first: its backward runs before the activation's
+            first = mlp if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
+            for n in first:
                 self.grad(sizes.grads[n], n)
             if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("other", sizes.recompute_grads if full > saved else 0.0)
@@ -230,7 +232,8 @@ class Step(LossPlay):
             # after the MLP's backward (its saved tensors gone, its weights' gradients made): the second
             # norm's fp32 gradients, then attention's (T, T) ones
             for n in mlp if not sizes.tiled_mlp else ():
-                self.grad(sizes.grads[n], n)
+                if n not in first:
+                    self.grad(sizes.grads[n], n)
             gone = keep(sizes.mlp_saved) - early
             tl.transient("other", max(sizes.norm_backward_temp - gone, 0.0))
             tl.transient("other", max(sizes.attn_backward_temp - gone, 0.0))
