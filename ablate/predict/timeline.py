@@ -231,7 +231,7 @@ class Step(LossPlay):
                 tl.alloc("activations", back)
             # after the MLP's backward (its saved tensors gone, its weights' gradients made): the second
             # norm's fp32 gradients, then attention's (T, T) ones
-            for n in mlp if not sizes.tiled_mlp else ():
+            for n in mlp:
                 if n not in first:
                     self.grad(sizes.grads[n], n)
             gone = keep(sizes.mlp_saved) - early
