@@ -37,6 +37,13 @@ class Techniques:
         """{group: its option}, technique groups in the order they are checked and built."""
         return {group: getattr(self, group) for group in TECHNIQUE_GROUPS}
 
+    def untraceable(self) -> str | None:
+        """`group=option` for the first option whose step MemTracker cannot follow; None if all can."""
+        for group, option in self.options().items():
+            if not option.traceable:
+                return f"{group}={type(option).__name__.lower()}"
+        return None
+
     def check(self, plan: Plan) -> None:
         """Raise Invalid for the first option that cannot run under `plan`."""
         for group in ("model", *TECHNIQUE_GROUPS):

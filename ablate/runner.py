@@ -106,7 +106,7 @@ def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, dev
     record = history is not None
     if record:
         history.start()  # this step alone: recording slows every allocation down
-    if not t.parallel.traceable:
+    if t.untraceable():
         step()
         if record:
             history.stop(out)

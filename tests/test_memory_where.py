@@ -294,3 +294,27 @@ def test_an_oom_mid_backward_of_the_traced_step_frees_that_step_before_the_measu
     assert made and seen["alive"] == 0  # the block's output of the stopped step is gone
     assert seen["grads"] == []
     assert seen["hooks"] == seen["hooks_before"]
+
+
+@pytest.mark.parametrize("traceable", [True, False])
+def test_an_option_memtracker_cannot_follow_leaves_its_step_untraced(tmp_path, monkeypatch, traceable):
+    """The traced warm-up step of a point with an untraceable option (FlexAttention on a GPU) runs
+    as a plain step: no breakdown and no memory_by_module.csv, and the point goes on."""
+    from ablate import runner
+    from ablate.techniques.attention import Sdpa
+
+    _, model, optimizer, t = train_nano(steps=1)
+    monkeypatch.setattr(Sdpa, "traceable", traceable)
+    stepped = []
+    data = Synthetic(vocab_size=128, train_samples=64).load(16)
+
+    def step():
+        stepped.append(train_step(model, optimizer, t.precision.grad_scaler("cpu"), t, data.train_batch(1, 8),
+                                  torch.device("cpu")))
+
+    device = torch.device("cpu")
+    breakdown, peak, _, oom = runner.last_warmup_step(step, model, optimizer, t, device,
+                                                      measure.DeviceMemory(device), None, tmp_path)
+    assert len(stepped) == 1 and not oom
+    assert (breakdown is not None, peak is not None) == (traceable, traceable)
+    assert (tmp_path / "memory_by_module.csv").exists() == traceable

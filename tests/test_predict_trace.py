@@ -14,7 +14,7 @@ from torch.optim import optimizer as torch_optim
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ablate import measure
-from ablate.build import build_model, build_optimizer, check_config
+from ablate.build import Techniques, build_model, build_optimizer, check_config
 from ablate.models.gpt_module import GPTModule
 from ablate.predict.trace import Untraceable, trace
 from ablate.train import train_step
@@ -127,6 +127,15 @@ def test_fsdp_rank_holds_a_shard_of_the_states(single, nproc):
 def test_untraceable_options_are_named(overrides, named):
     with pytest.raises(Untraceable, match=f"^{named}: "):
         trace(compose_spec([*SMALL, *overrides]))
+
+
+def test_flex_attention_is_named_untraceable():
+    """torch.compile declines to compile FlexAttention under MemTracker's dispatch mode."""
+    llama = ["model=llama3.2-1b", "model.config.num_hidden_layers=1", "data.vocab_size=128", "batch_size=1",
+             "seq_len=64", "device=cuda"]
+    assert Techniques.of(compose_spec(llama)).untraceable() is None
+    with pytest.raises(Untraceable, match="^attention=flex: "):
+        trace(compose_spec([*llama, "attention=flex"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")

@@ -89,9 +89,9 @@ def _device(requested: str) -> torch.device:
 
 def _check_traceable(t: Techniques) -> None:
     """Raise Untraceable for an option whose step cannot run, or be followed, on fake tensors."""
-    if not t.parallel.traceable:  # the same flag decides whether a real run traces its breakdown
-        raise Untraceable(f"parallel={type(t.parallel).__name__.lower()}: MemTracker cannot follow "
-                          f"this wrapper's parameters")
+    untraceable = t.untraceable()  # the same flag decides whether a real run traces its breakdown
+    if untraceable:
+        raise Untraceable(f"{untraceable}: MemTracker cannot follow its step")
     if t.parallel.world_size < 1:
         raise Untraceable("parallel.nproc=auto: resolve the world size before tracing one rank of it")
     if t.parallel.grads_in_buckets:

@@ -53,6 +53,11 @@ class Option:
     # analytic predictor reads off its meta model: then its group needs no memory model of its own.
     memory_in_params = False
 
+    # False where torch's MemTracker, a dispatch mode, cannot follow this option's step. A real run
+    # then leaves its traced step untraced (no breakdown, no memory_by_module.csv) and
+    # predict=trace falls back to the analytic model.
+    traceable = True
+
     # The model family (ablate/models/), set by ablate.build.Techniques: its adapter says where the
     # layers, embedding and head are. None for an option made on its own.
     family = None

@@ -121,6 +121,10 @@ class Flex(Sdpa):
 
     label = "FlexAttention"
     implementation = "flex_attention"
+    # torch.compile declines to compile under a dispatch mode, and the eager FlexAttention it would
+    # fall back to is a higher-order op that makes the whole (B, heads, T, T) scores: not the step
+    # that is measured.
+    traceable = False
 
     def check(self, plan: Plan) -> None:
         if plan.device == "cpu":

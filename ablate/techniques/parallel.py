@@ -25,7 +25,6 @@ class Single(Option):
     world_size = 1
     shards_params = False  # parameters are whole on every rank
     rank = 0
-    traceable = True  # torch's MemTracker can follow this wrapper (for the memory breakdown)
     # What the analytic predictor (ablate/predict/analytic.py) asks:
     ddp_buckets = False  # DDP's buckets: a second copy of every gradient
     grads_in_buckets = False  # each .grad a view into its bucket: that copy is the gradient
