@@ -194,6 +194,19 @@ def test_fp32_grouped_query_attention_on_cuda_keeps_sdpas_math_backends_probabil
     assert sdpa.saves(olmoe, "cuda", 4) == FUSED
 
 
+def test_a_fine_loss_peaks_in_the_final_rmsnorms_backward_with_the_heads_gradient():
+    """A loss in fine slices leaves the step's peak where the head's gradient (a large vocabulary)
+    meets the final RMSNorm's backward, which computes in fp32 in a 16-bit model: its fp32
+    gradients count there as in every layer's norm."""
+    base = ["model=llama3.2-1b", "model.config.num_hidden_layers=2", "model.config.hidden_size=1024",
+            "model.config.intermediate_size=2048", "model.config.num_attention_heads=8",
+            "model.config.num_key_value_heads=2", "model.config.head_dim=128", "model.config.vocab_size=32768",
+            "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=256", "precision=bf16_pure",
+            "loss=chunked", "loss.chunks=64"]
+    real = measured([], base)
+    assert analytic(compose_spec(base)).peak_mib == pytest.approx(real.peak_mib, rel=0.005)
+
+
 def build_model_family(overrides: list[str]):
     from hydra.utils import instantiate
 

@@ -152,6 +152,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
+    sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
     if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
         # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
         # making room for it, a frozen one kept none (fitted on CPU: tiny Llama, LoRA over a tiled MLP)

@@ -87,6 +87,7 @@ class Sizes:
     # makes and drops beside that in forward and in backward (ablate/predict/layers.py attention_temps)
     attn_saved: float = 0.0
     norm_backward_temp: float = 0.0  # an RMSNorm's fp32 gradients in its backward, beyond what the layer keeps
+    final_norm_backward_temp: float = 0.0  # ... in the final norm's backward, right after the head's
     attn_forward_temp: float = 0.0
     attn_backward_temp: float = 0.0
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
@@ -198,7 +199,9 @@ class Step(LossPlay):
         saved = (self.sizes.lm_head_cast if sizes.loss_chunks == 1 else 0.0) + sbh * self.c * sizes.head_keeps_input
         on_device = self.head_cast_kept() + self.head_input()
         tl.transient("activations", saved - on_device)  # back from the host
-        tl.free("activations", keep(self.sizes.ln_f_stats + sbh * r + self.ln_copy) + on_device)  # and x_L
+        tl.free("activations", on_device)  # the head's backward has run
+        tl.transient("other", sizes.final_norm_backward_temp)
+        tl.free("activations", keep(self.sizes.ln_f_stats + sbh * r + self.ln_copy))  # and x_L
         tl.alloc("other", sbh * r)  # d x_L (replaces d ln_f out)
         tl.free("other", sbh * c)
         for i in reversed(range(shapes.layers)):
