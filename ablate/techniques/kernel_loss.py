@@ -7,8 +7,9 @@ final hidden states and the head's weight, as ablate's chunked loss does (`attac
   logits. What `loss=fused` does in PyTorch ops.
 - `cce`: Apple's Cut Cross-Entropy. `loss.impl=cce` (Triton): the log-sum-exp of each token over the
   vocabulary in on-chip tiles, forward and again in backward, so no logit ever reaches device
-  memory; small gradients filtered out (the package's default). `loss.impl=torch_compile`: the
-  package's PyTorch path, compiled by inductor, which runs on a CPU and makes the whole logits.
+  memory. `loss.filter_eps`: skip the logits' gradients below it (the package's `auto` is the
+  compute dtype's resolution / 32), off by default. `loss.impl=torch_compile`: the package's
+  PyTorch path, compiled by inductor, which runs on a CPU and makes the whole logits.
 """
 from __future__ import annotations
 
@@ -71,14 +72,24 @@ class CutCrossEntropy(Chunked):
     head's matmul run again in backward) or torch_compile (the package's PyTorch path under
     inductor, which runs on a CPU: the whole logits, inductor fusing their softmax). Saves (cce):
     the whole logits, their fp32 copy, log-softmax and gradients. Spends: the head's matmul again
-    in backward; gradients below the compute dtype's resolution are skipped (the package's
-    `filter_eps`)."""
+    in backward.
 
-    label = "Cut cross-entropy"
+    `filter_eps` (impl=cce) skips the backward's tiles whose softmax is below it: `auto` is the
+    package's default, the compute dtype's resolution / 32 (bf16: 2.4e-4). Off here (None), so
+    that the loss is the other loss options' and a row's loss and time compare with theirs: from
+    a random start every softmax is about 1 / vocab, below that threshold, so `auto` drops all
+    but the target's gradient and skips most of the backward's matmuls."""
+
     IMPLS = ("cce", "torch_compile")
+    FILTERS = ("auto", "high")  # the package's names for its threshold; a number is one too
 
-    def __init__(self, impl: str = "cce"):
+    def __init__(self, impl: str = "cce", filter_eps: float | str | None = None):
         self.impl = impl
+        self.filter_eps = filter_eps
+
+    @property
+    def label(self) -> str:
+        return "Cut cross-entropy" + ("" if self.filter_eps is None else ", gradients filtered")
 
     @property
     def chunks(self) -> int:
@@ -97,6 +108,13 @@ class CutCrossEntropy(Chunked):
     def check(self, plan: Plan) -> None:
         if self.impl not in self.IMPLS:
             raise Invalid(f"loss.impl={self.impl!r} is not one of {', '.join(self.IMPLS)}")
+        eps = self.filter_eps
+        if eps is not None and not (eps in self.FILTERS or (isinstance(eps, (int, float)) and eps >= 0)):
+            raise Invalid(f"loss.filter_eps={eps!r} is not one of null (every gradient kept), "
+                          f"{', '.join(self.FILTERS)} or a threshold >= 0")
+        if eps is not None and self.impl != "cce":
+            raise Invalid(f"loss.filter_eps={eps!r} filters loss.impl=cce's backward; loss.impl={self.impl} keeps "
+                          f"every gradient: loss.filter_eps=null")
         if self.impl == "cce" and plan.device == "cpu":
             raise Invalid("loss=cce loss.impl=cce runs Cut Cross-Entropy's Triton kernels on a CUDA GPU; "
                           "device=cpu has none: loss.impl=torch_compile is its CPU path")
@@ -123,5 +141,7 @@ class CutCrossEntropy(Chunked):
         the weight goes as it is, its tiles cast inside."""
         from cut_cross_entropy import linear_cross_entropy
 
-        e = h.to(_compute_dtype(h.device.type, weight.dtype)) if self.impl == "cce" else h
-        return linear_cross_entropy(e, weight[:vocab], y, impl=self.impl)
+        if self.impl != "cce":
+            return linear_cross_entropy(h, weight[:vocab], y, impl=self.impl)
+        e = h.to(_compute_dtype(h.device.type, weight.dtype))
+        return linear_cross_entropy(e, weight[:vocab], y, impl=self.impl, filter_eps=self.filter_eps)
