@@ -132,6 +132,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
     tr = _training(t)
     sizes.inner_temp = inner_temp(a, sb, c, r, _grad_bytes(t), tr)
+    sizes.inner_temp_adding = inner_temp(a, sb, c, r, _grad_bytes(t), tr, adding=True) if a.experts else None
     if _fsdp(t) and a.kind == "gpt2" and tr == FULL:  # GELU's output outlives c_proj's backward in an FSDP
         sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
     sizes.forward_temp = forward_temp(a, sb, r, c, tr)
@@ -247,6 +248,8 @@ def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
         widest = max(math.prod(shapes.param_shapes[n]) * 2 for n in shapes.packed)  # two weights a byte
         sizes.forward_temp += widest * sizes.compute_bytes
         sizes.inner_temp += widest * sizes.compute_bytes
+        if sizes.inner_temp_adding is not None:
+            sizes.inner_temp_adding += widest * sizes.compute_bytes
     return t, shapes, sizes
 
 

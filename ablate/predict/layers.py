@@ -248,7 +248,7 @@ def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> f
     return 2 * sb * a.top_k * a.hidden * (4 if a.fp32_routing else r) if a.experts else 0.0
 
 
-def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL) -> float:
+def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, adding: bool = False) -> float:
     """The MLP's widest tensors alive together inside a layer's forward and backward beyond what it
     keeps (bytes), `g` bytes per gradient element: GPT-2's gradients of c_fc's and GELU's outputs
     (s·b·4h each) less GELU's output, which c_proj's backward has freed by then (an adapted c_proj
@@ -260,11 +260,14 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL) ->
       reorder, and the multiply's own;
     - at gate_up's backward: the gradient of its output (S·2i) and both expert weights' whole
       gradients, (experts, 3·i, h), less the down output and product already freed (S·(h + i));
+    - `adding` (a later micro-step, whose weight gradients are added into the kept ones and
+      freed as they come): no weight gradient, but the gradients of gate_up's output, of SiLU's
+      or the product's (S·i) and of the gathered input (S·h) at once;
     - the shared expert's gate and up gradients, as Llama's."""
     if a.experts:
         S, h, i, weighted = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r
-        grads = a.experts * 3 * i * h * g
-        return max(3 * S * h * weighted, 2 * S * i * r + grads - S * (h + i) * r, 2 * sb * a.shared_inter * c)
+        gate_up = S * (3 * i + h) * r if adding else 2 * S * i * r + a.experts * 3 * i * h * g - S * (h + i) * r
+        return max(3 * S * h * weighted, gate_up, 2 * sb * a.shared_inter * c)
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
     # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once)

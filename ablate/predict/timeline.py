@@ -77,6 +77,7 @@ class Sizes:
     embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
     rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
     inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
+    inner_temp_adding: float | None = None  # ... in backward, where its weights' gradients add into kept ones (None: the same)
     forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
     recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
@@ -218,6 +219,8 @@ class Step(LossPlay):
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
             # the output projection's gradients come first: its backward runs before the activation's
             first = mlp if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
+            adding = self.have_grads and not sizes.sync_each and not sizes.in_backward  # into kept gradients
+            inner = sizes.inner_temp_adding if adding and sizes.inner_temp_adding is not None else sizes.inner_temp
             for n in first:
                 self.grad(sizes.grads[n], n)
             if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
@@ -226,9 +229,9 @@ class Step(LossPlay):
                 if full > saved:  # what the recomputed forward makes and drops
                     tl.transient("activations", sizes.forward_temp)
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
-                tl.transient("other", sizes.inner_temp)  # d c_fc out and d GELU out alive together
+                tl.transient("other", inner)  # d c_fc out and d GELU out alive together
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
-                tl.transient("other", sizes.inner_temp)  # whose saved tensors are gone by then
+                tl.transient("other", inner)  # whose saved tensors are gone by then
                 early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
                 tl.alloc("activations", back)
