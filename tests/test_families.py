@@ -325,16 +325,16 @@ def test_attention_recomputed_under_autocast_is_predicted_within_2_percent(check
     assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.02)
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "attention"])
-def test_later_micro_steps_of_experts_make_no_weight_gradient_beside_their_input_gradients(checkpoint):
-    """In a micro-step after the first the experts' weight gradients are added into the kept ones
-    as they come: the experts' backward peaks with the gradients of gate_up's output, of SiLU's
-    and of the gathered input, no weight gradient beside them (4.6% over when counted)."""
-    overrides = [*tiny("mixtral-8x7b"), "data.vocab_size=128", "optimizer=adamw_foreach", f"checkpoint={checkpoint}",
+@pytest.mark.parametrize("name,checkpoint", [("mixtral-8x7b", "none"), ("olmoe-1b-7b", "attention")])
+def test_later_micro_steps_of_experts_add_one_weight_gradient_at_a_time(name, checkpoint):
+    """In a micro-step after the first each expert weight's new gradient is added into the kept
+    one and freed: the experts' backward peaks at down's weight gradient beside the product's,
+    not with both weights' whole gradients (Mixtral 4.6%, OLMoE 3.9% over when counted so)."""
+    overrides = [*tiny(name), "data.vocab_size=128", "optimizer=adamw_foreach", f"checkpoint={checkpoint}",
                  "precision=fp32", "accumulation=x4"]
     base = ["device=cpu", "batch_size=8", "seq_len=32"]
     real = measured(overrides, base)
-    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.02)
+    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.005)
 
 
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b",

@@ -260,14 +260,18 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, ad
       reorder, and the multiply's own;
     - at gate_up's backward: the gradient of its output (S·2i) and both expert weights' whole
       gradients, (experts, 3·i, h), less the down output and product already freed (S·(h + i));
-    - `adding` (a later micro-step, whose weight gradients are added into the kept ones and
-      freed as they come): no weight gradient, but the gradients of gate_up's output, of SiLU's
-      or the product's (S·i) and of the gathered input (S·h) at once;
+    - `adding` (a later micro-step: each weight's new gradient is added into the kept one and
+      freed): at down's weight gradient, that gradient (experts, h, i) and the product's (S·i),
+      the down output freed and its gradient alive; or at gate_up's, that gradient (experts, 2i,
+      h) and its output's (S·2i), the down and gate_up outputs, SiLU's and the product gone;
     - the shared expert's gate and up gradients, as Llama's."""
     if a.experts:
-        S, h, i, weighted = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r
-        gate_up = S * (3 * i + h) * r if adding else 2 * S * i * r + a.experts * 3 * i * h * g - S * (h + i) * r
-        return max(3 * S * h * weighted, gate_up, 2 * sb * a.shared_inter * c)
+        S, h, i, weighted, e = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r, a.experts
+        if adding:
+            at_down = S * i * r + e * h * i * g
+            at_gate_up = 2 * S * i * r + e * 2 * i * h * g - S * (h + 4 * i) * r
+            return max(3 * S * h * weighted, at_down, at_gate_up, 2 * sb * a.shared_inter * c)
+        return max(3 * S * h * weighted, 2 * S * i * r + e * 3 * i * h * g - S * (h + i) * r, 2 * sb * a.shared_inter * c)
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
     # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once)

@@ -30,6 +30,7 @@ class Shapes:
     linear_names: list  # layer 0's parameters inside its attention and MLP (what autocast casts)
     mlp_names: frozenset = frozenset()  # every layer's parameters inside its MLP
     mlp_out_names: frozenset = frozenset()  # of them, its output projection's (a dense MLP's last Linear)
+    expert_names: frozenset = frozenset()  # every layer's mixture-of-experts weights
     frozen: frozenset = frozenset()  # parameters that train not: no gradient, no optimizer state
     packed: dict = field(default_factory=dict)  # parameter name -> bytes per element of a non-float storage (4-bit)
 
@@ -86,7 +87,8 @@ def shapes_of(spec: RunSpec, t: Techniques) -> Shapes:
                                 if n.startswith(inner) and n not in experts],
                   mlp_names=frozenset(n for i, names in enumerate(layout.layer_names) for n in names
                                       if n.startswith(f"{layout.prefix}{i}.{a.mlp}.")),
-                  mlp_out_names=_mlp_out(layout, a, experts), frozen=layout.frozen, packed=_packed(layout))
+                  mlp_out_names=_mlp_out(layout, a, experts), expert_names=frozenset(experts),
+                  frozen=layout.frozen, packed=_packed(layout))
 
 
 def _mlp_out(layout, a, experts) -> frozenset:

@@ -277,7 +277,9 @@ class Step(LossPlay):
                 self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
                 self.tl.free("grads", nbytes)
         elif self.sizes.grads_in_buckets or (whole_kept and not self.sizes.upcast):
-            self.tl.transient("grads", nbytes)
+            # an expert weight's new gradient: counted at its moment in the experts' backward (inner_temp_adding)
+            counted = whole_kept and not self.sizes.grads_in_buckets and name in self.shapes.expert_names
+            self.tl.transient("grads", 0.0 if counted else nbytes)
         else:
             self.tl.alloc("grads", nbytes)
 
