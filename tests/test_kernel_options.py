@@ -8,6 +8,7 @@ import gc
 import importlib.util
 import math
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,13 +79,16 @@ def test_cce_filters_gradients_only_when_asked(monkeypatch):
     assert calls == [{"impl": "cce", "filter_eps": None}, {"impl": "cce", "filter_eps": "auto"},
                      {"impl": "cce", "filter_eps": 1e-3}, {"impl": "torch_compile"}]
     assert compose_spec([*NANO, "loss=cce"]).groups["loss"]["filter_eps"] is None  # the default keeps them all
-    assert CutCrossEntropy().label == "Cut cross-entropy"
-    assert CutCrossEntropy(filter_eps="auto").label == "Cut cross-entropy, gradients filtered"
+    from analysis.option_names import key_label
+
+    assert key_label(pd.Series({"loss": "cce", "loss.filter_eps": "auto"}), "loss.filter_eps") == \
+        "Cut cross-entropy, gradients filtered"
     bf16 = Plan(device="cuda", batch_size=8, seq_len=32, autocast=True)
     with pytest.raises(Invalid, match=r"loss.filter_eps='tiny' is not one of null \(every gradient kept\), auto, high"):
         CutCrossEntropy(filter_eps="tiny").check(bf16)
-    with pytest.raises(Invalid, match="loss.filter_eps=-1 is not one of"):
-        CutCrossEntropy(filter_eps=-1).check(bf16)
+    for bad in (-1, True):
+        with pytest.raises(Invalid, match=f"loss.filter_eps={bad} is not one of"):
+            CutCrossEntropy(filter_eps=bad).check(bf16)
     with pytest.raises(Invalid, match="loss.impl=torch_compile keeps every gradient: loss.filter_eps=null"):
         CutCrossEntropy("torch_compile", filter_eps="auto").check(Plan(device="cpu", batch_size=8, seq_len=32))
 

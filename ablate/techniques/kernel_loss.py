@@ -80,16 +80,14 @@ class CutCrossEntropy(Chunked):
     a random start every softmax is about 1 / vocab, below that threshold, so `auto` drops all
     but the target's gradient and skips most of the backward's matmuls."""
 
+    label = "Cut cross-entropy"
     IMPLS = ("cce", "torch_compile")
     FILTERS = ("auto", "high")  # the package's names for its threshold; a number is one too
+    key_labels = {("filter_eps", f): "Cut cross-entropy, gradients filtered" for f in FILTERS}
 
     def __init__(self, impl: str = "cce", filter_eps: float | str | None = None):
         self.impl = impl
         self.filter_eps = filter_eps
-
-    @property
-    def label(self) -> str:
-        return "Cut cross-entropy" + ("" if self.filter_eps is None else ", gradients filtered")
 
     @property
     def chunks(self) -> int:
@@ -109,7 +107,8 @@ class CutCrossEntropy(Chunked):
         if self.impl not in self.IMPLS:
             raise Invalid(f"loss.impl={self.impl!r} is not one of {', '.join(self.IMPLS)}")
         eps = self.filter_eps
-        if eps is not None and not (eps in self.FILTERS or (isinstance(eps, (int, float)) and eps >= 0)):
+        number = isinstance(eps, (int, float)) and not isinstance(eps, bool)
+        if eps is not None and not (eps in self.FILTERS or (number and eps >= 0)):
             raise Invalid(f"loss.filter_eps={eps!r} is not one of null (every gradient kept), "
                           f"{', '.join(self.FILTERS)} or a threshold >= 0")
         if eps is not None and self.impl != "cce":
