@@ -30,7 +30,7 @@ from ablate.build import Techniques
 from ablate.predict import Prediction
 from ablate.predict.adapters import FULL, Training, recompute_grads, unfed
 from ablate.predict.attention import Attention, attention_temps, eager_mask
-from ablate.predict.layers import attention_saves, forward_temp, inner_temp, layer_saves, mlp_saves
+from ablate.predict.layers import attention_saves, expert_moments, forward_temp, inner_temp, layer_saves, mlp_saves
 from ablate.predict.shapes import Shapes, shapes_of
 from ablate.predict.tiling import tile_mlp
 from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
@@ -132,7 +132,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
     tr = _training(t)
     sizes.inner_temp = inner_temp(a, sb, c, r, _grad_bytes(t), tr)
-    sizes.inner_temp_adding = inner_temp(a, sb, c, r, _grad_bytes(t), tr, adding=True) if a.experts else None
+    if a.experts:
+        sizes.inner_temp_adding = inner_temp(a, sb, c, r, _grad_bytes(t), tr, adding=True)
+        sizes.expert_moments = expert_moments(a, sb, r, _grad_bytes(t))
     if _fsdp(t) and a.kind == "gpt2" and tr == FULL:  # GELU's output outlives c_proj's backward in an FSDP
         sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
     sizes.forward_temp = forward_temp(a, sb, r, c, tr)

@@ -239,6 +239,17 @@ def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
     return experts + router + shared, casts, matmul
 
 
+def expert_moments(a: Arch, sb: int, r: int, g: int) -> list[tuple[float, float]]:
+    """A mixture of experts' backward in a micro-step after the first, where each weight's new
+    gradient is added into the kept one and freed (measured op by op on CPU: tiny Mixtral and
+    OLMoE): (bytes beyond what the layer keeps, the new gradient's bytes) at each weight's
+    gradient. At down's: the product's gradient (S·i) beside it, the down output freed and its
+    gradient alive. At gate_up's: its output's gradient (S·2i), the down and gate_up outputs,
+    SiLU's and the product gone (S·(h + 4i))."""
+    S, h, i, e = sb * a.top_k, a.hidden, a.inter, a.experts
+    return [(S * i * r, e * h * i * g), (2 * S * i * r - S * (h + 4 * i) * r, e * 2 * i * h * g)]
+
+
 def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> float:
     """Made and dropped inside a layer's forward even when it keeps everything (bytes): a mixture
     of experts' routing-weighted outputs, (S, h), and their copy put back in token order (for
@@ -260,18 +271,13 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, ad
       reorder, and the multiply's own;
     - at gate_up's backward: the gradient of its output (S·2i) and both expert weights' whole
       gradients, (experts, 3·i, h), less the down output and product already freed (S·(h + i));
-    - `adding` (a later micro-step: each weight's new gradient is added into the kept one and
-      freed): at down's weight gradient, that gradient (experts, h, i) and the product's (S·i),
-      the down output freed and its gradient alive; or at gate_up's, that gradient (experts, 2i,
-      h) and its output's (S·2i), the down and gate_up outputs, SiLU's and the product gone;
+    - `adding` (a later micro-step, whose weight gradients are added into the kept ones one at a
+      time: `expert_moments`): the first and the last of these;
     - the shared expert's gate and up gradients, as Llama's."""
     if a.experts:
         S, h, i, weighted, e = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r, a.experts
-        if adding:
-            at_down = S * i * r + e * h * i * g
-            at_gate_up = 2 * S * i * r + e * 2 * i * h * g - S * (h + 4 * i) * r
-            return max(3 * S * h * weighted, at_down, at_gate_up, 2 * sb * a.shared_inter * c)
-        return max(3 * S * h * weighted, 2 * S * i * r + e * 3 * i * h * g - S * (h + i) * r, 2 * sb * a.shared_inter * c)
+        at_gate_up = 2 * S * i * r + e * 3 * i * h * g - S * (h + i) * r
+        return max(3 * S * h * weighted, 0.0 if adding else at_gate_up, 2 * sb * a.shared_inter * c)
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
     # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once)

@@ -78,6 +78,7 @@ class Sizes:
     rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
     inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
     inner_temp_adding: float | None = None  # ... in backward, where its weights' gradients add into kept ones (None: the same)
+    expert_moments: list = field(default_factory=list)  # ... and then each expert weight's: (other, its new gradient)
     forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
     recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
@@ -219,7 +220,7 @@ class Step(LossPlay):
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
             # the output projection's gradients come first: its backward runs before the activation's
             first = mlp if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
-            adding = self.have_grads and not sizes.sync_each and not sizes.in_backward  # into kept gradients
+            adding = self.adds_into_kept()
             inner = sizes.inner_temp_adding if adding and sizes.inner_temp_adding is not None else sizes.inner_temp
             for n in first:
                 self.grad(sizes.grads[n], n)
@@ -230,8 +231,10 @@ class Step(LossPlay):
                     tl.transient("activations", sizes.forward_temp)
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
                 tl.transient("other", inner)  # d c_fc out and d GELU out alive together
+                self.expert_grads(adding)
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
                 tl.transient("other", inner)  # whose saved tensors are gone by then
+                self.expert_grads(adding)
                 early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
                 tl.alloc("activations", back)
@@ -277,11 +280,25 @@ class Step(LossPlay):
                 self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
                 self.tl.free("grads", nbytes)
         elif self.sizes.grads_in_buckets or (whole_kept and not self.sizes.upcast):
-            # an expert weight's new gradient: counted at its moment in the experts' backward (inner_temp_adding)
-            counted = whole_kept and not self.sizes.grads_in_buckets and name in self.shapes.expert_names
+            # an expert weight's new gradient: counted at its moment in the experts' backward (expert_grads)
+            counted = self.adds_into_kept() and name in self.shapes.expert_names
             self.tl.transient("grads", 0.0 if counted else nbytes)
         else:
             self.tl.alloc("grads", nbytes)
+
+    def adds_into_kept(self) -> bool:
+        """Whether this micro-step's gradients are added, one at a time, into whole ones kept from the last."""
+        s = self.sizes
+        return self.have_grads and not (s.sync_each or s.in_backward or s.upcast or s.grads_in_buckets)
+
+    def expert_grads(self, adding: bool) -> None:
+        """Each expert weight's new gradient, in a micro-step that adds it into the kept one, at its
+        moment in the experts' backward (what else is alive then beside it: `other`, net of what
+        that backward has freed)."""
+        for other, grad in self.sizes.expert_moments if adding else ():
+            self.tl.alloc("other", other)
+            self.tl.transient("grads", grad)
+            self.tl.free("other", other)
 
     def step_pending(self) -> None:
         """Step and free the gradient waiting for the next one (grad_lag), with its step temporaries."""
