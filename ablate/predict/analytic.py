@@ -33,7 +33,8 @@ from ablate.predict.attention import Attention, attention_temps, eager_mask
 from ablate.predict.layers import attention_saves, expert_moments, forward_temp, inner_temp, layer_saves, mlp_saves
 from ablate.predict.shapes import Shapes, shapes_of
 from ablate.predict.tiling import tile_mlp
-from ablate.predict.timeline import Sizes, Step, Unit, Unmodelled
+from ablate.predict.sizes import Sizes, Unit
+from ablate.predict.timeline import Step, Unmodelled
 from ablate.spec import RunSpec
 
 MIB = 2**20

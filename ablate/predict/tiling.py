@@ -13,7 +13,7 @@ from ablate.techniques import Unmodelled
 
 if TYPE_CHECKING:
     from ablate.predict.shapes import Shapes
-    from ablate.predict.timeline import Sizes
+    from ablate.predict.sizes import Sizes
 
 
 def tile_mlp(sizes: Sizes, shapes: Shapes, tr: Training, n: int) -> None:

@@ -7,10 +7,10 @@ real one is and the breakdown at the peak is comparable with MemTracker's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ablate.predict.head_and_loss import LossPlay
+from ablate.predict.sizes import Sizes, Unit
 from ablate.techniques import Unmodelled  # noqa: F401  (the predictor's callers import it from here)
 
 if TYPE_CHECKING:
@@ -41,75 +41,6 @@ class Timeline:
         """Allocated and freed again before anything else happens."""
         self.alloc(kind, nbytes)
         self.free(kind, nbytes)
-
-
-@dataclass
-class Unit:
-    """One FSDP unit on one rank (bytes): a transformer block, or the root (embeddings, ln_f)."""
-
-    gathered: float  # its parameters all-gathered: every rank's padded shard, in the compute dtype
-    sharded_grads: float  # this rank's gradient shards after the reduce-scatter (parameter dtype)
-    reduce_input: float  # the flat reduce-scatter input: the whole unit's gradients (reduce dtype)
-
-
-@dataclass
-class Sizes:
-    """One rank's sizes for one step (bytes) and the switches that decide when each is alive."""
-
-    params: float  # resident parameters on the device: whole, or this rank's shards (FSDP)
-    grads: dict  # parameter name -> its gradient as backward makes it (whole: FSDP shards it after)
-    states: float  # optimizer states on the device (this rank's shards under FSDP)
-    step_temp: float  # optimizer-step temporaries at their largest
-    other: float  # persistent extras: DDP buckets, cuBLAS workspaces
-    root: Unit | None = None  # FSDP only
-    block: Unit | None = None
-    reshard: bool = True  # FSDP frees gathered parameters after forward (ZeRO-3), else after backward
-    sync_each: bool = False  # FSDP only: reduce-scatter every micro-step, not only the last (whole grads kept)
-    upcast: bool = False  # FSDP under autocast sums micro-steps' whole gradients in fp32 beside .grad
-    # Bytes per element; the formulas (ablate/predict/layers.py) write them c, r and ln.
-    compute_bytes: int = 4  # c: of the compute dtype (what Linear, SDPA and GELU produce)
-    stream_bytes: int = 4  # r: of the residual stream: the parameter dtype (fp32 under autocast),
-    #                        the compute dtype under FSDP's mixed precision (its embeddings are gathered in it)
-    norm_bytes: int = 4  # ln: what a LayerNorm keeps of its input: r, or a 4-byte copy (CUDA autocast)
-    blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
-    ln_f_stats: float = 0.0  # what the final norm keeps beyond its input and output, unless recomputed
-    head_keeps_input: bool = True  # the head keeps its input (ln_f's output) for its weight's gradient
-    embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
-    rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
-    inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
-    inner_temp_adding: float | None = None  # ... in backward, where its weights' gradients add into kept ones (None: the same)
-    expert_moments: list = field(default_factory=list)  # ... and then each expert weight's: (other, its new gradient)
-    forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
-    recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
-    recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
-    mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
-    tiled_mlp: bool = False  # the MLP runs slice by slice: its weights' gradients exist from the first slice's backward
-    mlp_untiled: float = 0.0  # ... what one layer's MLP would keep untiled, made slice by slice instead (step time)
-    # An attention that makes (T, T) tensors (math backend, eager): what it keeps, and what it
-    # makes and drops beside that in forward and in backward (ablate/predict/layers.py attention_temps)
-    attn_saved: float = 0.0
-    norm_backward_temp: float = 0.0  # an RMSNorm's fp32 gradients in its backward, beyond what the layer keeps
-    final_norm_backward_temp: float = 0.0  # ... in the final norm's backward, right after the head's
-    attn_forward_temp: float = 0.0
-    attn_backward_temp: float = 0.0
-    block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
-    attn_cast: float = 0.0  # of them, attention's, which its recompute wrapper saves none of (cast again in backward)
-    lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
-    loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time
-    offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
-    # ... on a side stream: a layer's saved tensors stay on the device until the next layer's
-    # forward, and in backward this many layers' are fetched back ahead of their turn (-1: not overlapped)
-    offload_ahead: int = -1
-    compiled: bool = False  # compile=true: inductor's fused cross-entropy (Step.compiled_loss_backward)
-    pad_head: bool = False  # ... and, on CUDA, a vocabulary inductor pads for the head's matmuls
-    op_temps: bool = True  # temporaries made inside one aten op (logsumexp's shifted logits) count: the
-    #                        CUDA allocator holds them; MemTracker, the dispatch mode a CPU row's peak
-    #                        comes from, sees each op's outputs only
-    micro_steps: int = 1
-    in_backward: bool = False  # each parameter is stepped, and its gradient freed, inside backward
-    grads_in_buckets: bool = False  # DDP gradient_as_bucket_view: each gradient is copied into its bucket (`other`)
-    step_temp_each: dict = field(default_factory=dict)  # in backward: name -> that tensor's step temporaries
-    grad_lag: bool = False  # in backward, a gradient is stepped when the next one arrives (the last by step())
 
 
 class Step(LossPlay):
