@@ -337,6 +337,23 @@ def test_later_micro_steps_of_experts_add_one_weight_gradient_at_a_time(name, ch
     assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.005)
 
 
+@pytest.mark.parametrize("name,precision,checkpoint,accumulation", [
+    ("llama3.2-1b", "fp32", "ops", "none"), ("qwen3-0.6b", "bf16_pure", "ops", "none"),
+    ("mistral-7b", "bf16", "ops", "none"), ("pythia-160m", "fp32", "ops", "x4"),
+    ("pythia-160m", "bf16", "layers", "none")])
+def test_what_recompute_keeps_beyond_the_layer_it_replaces_is_counted(name, precision, checkpoint, accumulation):
+    """Selective op recompute keeps the layer's last matmul output in its cache through the layer's
+    backward, keeps no autocast cast, and recomputes the first norm's fp32 copy beside the layer
+    input the wrapper holds; a later micro-step's output-projection gradient is made beside its
+    input's; a wrapped Pythia projection keeps the norm's fp32 output, not its cast (each of these
+    points was 2-3.5% off when counted as the layer without recompute)."""
+    overrides = [*tiny(name), "data.vocab_size=128", "optimizer=adamw_foreach", f"checkpoint={checkpoint}",
+                 f"precision={precision}", f"accumulation={accumulation}"]
+    base = ["device=cpu", "batch_size=8", "seq_len=32"]
+    real = measured(overrides, base)
+    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.011)
+
+
 @pytest.mark.parametrize("name", ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b",
                                   "mixtral-8x7b", "qwen2_moe", "qwen3-30b-a3b", "olmoe-1b-7b"])  # + mixtures of experts
 @pytest.mark.parametrize("checkpoint", ["none", "block", "attention", "layers", "ops"])
@@ -353,7 +370,7 @@ def test_analytic_matches_memtracker_on_tiny_families(name, checkpoint, precisio
     assert pred.category_max_mib["params"] * mib == real.category_max["params"] * mib
     assert pred.category_max_mib["grads"] * mib == real.category_max["grads"] * mib
     assert pred.steady_mib["optimizer"] * mib == real.after["optimizer"] * mib
-    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.05)
+    assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.02)
 
 
 def test_hf_gpt2_and_ablates_gpt2_give_the_same_logits_for_the_same_weights(tmp_path):

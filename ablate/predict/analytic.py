@@ -138,6 +138,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.expert_moments = expert_moments(a, sb, r, _grad_bytes(t))
     if _fsdp(t) and a.kind == "gpt2" and tr == FULL:  # GELU's output outlives c_proj's backward in an FSDP
         sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
+    sizes.out_proj_input_grad = 0.0 if a.experts else sb * a.inter * c
     sizes.forward_temp = forward_temp(a, sb, r, c, tr)
     sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
@@ -170,6 +171,10 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.blocks[0] = (max(saved - dead - shapes.sbh * r, 0.0) if saved else 0.0, full - dead)
     # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).
     sizes.head_keeps_input = t.peft.train_embeddings or t.loss.from_hidden
+    # ablate's GPT-2 takes its loss in the forward that made ln_f's output, which it holds until the
+    # loss is taken: under autocast beside the head's cast of it (a transformers model returns first)
+    if a.kind == "gpt2" and r != c and not t.loss.from_hidden:
+        sizes.ln_f_out_held = shapes.sbh * r
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's rsqrt and normalised input
     # (for its weight's gradient).
     final = shapes.sbh * r * tr.norms + sb * 4 if a.kind == "llama" else 2 * sb * 4
@@ -185,11 +190,10 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # gathers parameters already in that dtype, so nothing is cast there.
     if t.precision.autocast_dtype and not _fsdp(t):
         sizes.block_cast = (sum(shapes.param_numels[n] for n in shapes.linear_names) - _fp8_weights(t)) * c
-        # Attention recomputed on its own saves none of its projections' casts. Llama's layout only:
-        # GPT-2's and GPT-NeoX's peak in the loss forward under autocast, where the casts are all
-        # still cached and this model counts less than is held (their layer-type recompute -2.6%
-        # and -3.2% on CPU); dropping the casts after the forward would hide that, not mend it.
-        if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp and a.kind == "llama":
+        # A cast is no matmul output: selective op recompute keeps none, and backward casts again
+        sizes.casts_recomputed = t.checkpoint.saves_op_outputs
+        # Attention recomputed on its own saves none of its projections' casts: they go when the forward ends.
+        if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp:
             sizes.attn_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n not in shapes.mlp_names) * c
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
         sizes.lm_head_cast = (shapes.vocab if t.loss.from_hidden else shapes.padded_vocab) * shapes.h * c

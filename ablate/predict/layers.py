@@ -131,7 +131,14 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, a
     if kept is None:
         raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__} (it has no kept())")
     saved = kept(index, full, parts)
-    if saved == 0 and a.kind == "llama":  # the whole layer recomputed from its input, which the
+    ops = getattr(option, "saves_op_outputs", False)
+    if ops and not tiled_mlp:
+        # Selective op recompute keeps every matmul's output in its cache and hands each back as the
+        # recompute reaches it; the recompute stops at the last tensor backward needs, the input of
+        # the layer's last matmul, whose output, needed by nothing, then stays cached until the
+        # layer's backward ends (measured op by op on CPU: tiny Llama, Pythia)
+        full += parts["last_matmul"]
+    if (saved == 0 or ops) and a.kind == "llama":  # the whole layer recomputed from its input, which the
         full += sb * a.hidden * r * (r != 4)  # checkpoint holds: the first norm's fp32 copy replaces nothing
     return saved, full
 
@@ -162,7 +169,7 @@ def _gpt2(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[flo
     # wrapper around attention keeps it (the norm's output, in the stream's dtype)
     return full, {"attn": sbh * c + sdpa, "attn_input": sbh * (c - r), "mlp": 8 * sbh * c, "norm": stats,
                   "matmul": (3 + 1 + 4 + 1 + 1) * sbh * c + sdpa_matmul, "mlp_matmul": 5 * sbh * c,
-                  "mlp_input": sbh * c}
+                  "mlp_input": sbh * c, "mlp_input_wrapped": sbh * r, "last_matmul": sbh * c}
 
 
 def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention()) -> tuple[float, dict]:
@@ -211,7 +218,12 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
                   "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA; the MLP's
                   "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul, "mlp_matmul": mlp_matmul,
-                  "mlp_input": (ln_2_casts if r != c else 1) * sbh * c}
+                  "mlp_input": (ln_2_casts if r != c else 1) * sbh * c,
+                  # a wrapper keeps ln_2's output itself (a mixture's "mlp" counts it already)
+                  "mlp_input_wrapped": (ln_2_casts if r != c else 1) * sbh * c if a.experts else sbh * r,
+                  # down_proj's; a mixture's routed experts read their down output (kept anyway),
+                  # Qwen2-MoE's shared expert ends with its (s·b, 1) gate
+                  "last_matmul": (sb * c if a.shared_inter else 0.0) if a.experts else sbh * c}
 
 
 def _experts(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:
@@ -293,13 +305,15 @@ def _neox(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[flo
     head_dim), which the reshape to (B, T, C) must copy); the MLP keeps its (s·b·inter)
     hidden before and after GELU; the two LayerNorm outputs (c) go on to the projections."""
     sbh = sb * a.hidden
-    stats, lse = 2 * 2 * sb * 4, sb * a.heads * 4
+    stats, lse = 2 * 2 * sb * 4, sb * a.heads * 4  # both LayerNorms' mean and rstd
     attn = (3 + 1 + 1 + 1 + 1) * sbh * c + lse
     mlp = 2 * sb * a.inter * c
-    full = 2 * sbh * c + attn + mlp + 2 * sbh * (ln - r) + 2 * stats
+    full = 2 * sbh * c + attn + mlp + 2 * sbh * (ln - r) + stats
     # qkv, SDPA, dense, the MLP's two projections
-    return full, {"attn": attn, "mlp": mlp, "norm": 2 * stats, "matmul": (3 + 1 + 1 + 1) * sbh * c + lse + sb * a.inter * c,
-                  "mlp_matmul": sb * a.inter * c + sbh * c, "mlp_input": sbh * c}
+    return full, {"attn": attn, "attn_input": sbh * (c - r), "mlp": mlp, "norm": stats,
+                  "matmul": (3 + 1 + 1 + 1) * sbh * c + lse + sb * a.inter * c,
+                  "mlp_matmul": sb * a.inter * c + sbh * c,
+                  "mlp_input": sbh * c, "mlp_input_wrapped": sbh * r, "last_matmul": sbh * c}
 
 
 _FULL = {"gpt2": _gpt2, "llama": _llama, "neox": _neox}

@@ -66,8 +66,9 @@ class Step(LossPlay):
     def keeps_cast(self, saved: float) -> bool:
         """Whether a block's cast weights stay on the device from its forward to its backward:
         not when the whole block is recomputed (Korthikanti's full recompute: `saved` is 0), nor
-        when saved tensors go to the host. (A partly recomputed block is counted as keeping them.)"""
-        return saved > 0 and not self.sizes.offload_acts
+        when saved tensors go to the host, nor when the layer's recompute keeps only op outputs.
+        (A block partly recomputed by wrappers inside it is counted as keeping them.)"""
+        return saved > 0 and not self.sizes.offload_acts and not self.sizes.casts_recomputed
 
     def keep(self, nbytes: float) -> float:
         return 0.0 if self.sizes.offload_acts else nbytes  # save_on_cpu: saved tensors live on the host
@@ -112,7 +113,9 @@ class Step(LossPlay):
         self.copying = copying  # no layer follows to wait for the last one's copies: they go in backward
         # ln_f statistics and output (the head's input), then the head and the loss.
         tl.alloc("activations", keep(sizes.ln_f_stats + self.ln_copy) + self.head_input() + sizes.lm_head_cast)
+        tl.alloc("activations", sizes.ln_f_out_held)
         self.loss_forward()
+        tl.free("activations", sizes.ln_f_out_held)
         # Autocast's cache goes with the forward: casts backward does not need on the device with it.
         tl.free("activations", sum(sizes.block_cast if not self.keeps_cast(saved) else sizes.attn_cast
                                    for saved, _ in sizes.blocks)
@@ -153,14 +156,18 @@ class Step(LossPlay):
             first = mlp if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
             adding = self.adds_into_kept()
             inner = sizes.inner_temp_adding if adding and sizes.inner_temp_adding is not None else sizes.inner_temp
-            for n in first:
-                self.grad(sizes.grads[n], n)
+            # the projection's backward asks for its input: a layer recomputed beside its MLP is recomputed first
+            recomputed_first = sizes.recompute_with_mlp and full > saved and not sizes.tiled_mlp
+            if not recomputed_first:
+                self.out_proj_grads(first)
             if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("other", sizes.recompute_grads if full > saved else 0.0)
                 tl.alloc("activations", back)
                 if full > saved:  # what the recomputed forward makes and drops
                     tl.transient("activations", sizes.forward_temp)
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
+                if recomputed_first:
+                    self.out_proj_grads(first)
                 tl.transient("other", inner)  # d c_fc out and d GELU out alive together
                 self.expert_grads(adding)
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
@@ -216,6 +223,16 @@ class Step(LossPlay):
             self.tl.transient("grads", 0.0 if counted else nbytes)
         else:
             self.tl.alloc("grads", nbytes)
+
+    def out_proj_grads(self, names: list[str]) -> None:
+        """The MLP's output projection's weight gradients, each made beside the gradient of the
+        projection's input (its backward makes both before either goes on): what a new gradient
+        added into a kept one, in a later micro-step, is alive with."""
+        d_in = self.sizes.out_proj_input_grad if names and not self.sizes.tiled_mlp else 0.0
+        self.tl.alloc("other", d_in)
+        for n in names:
+            self.grad(self.sizes.grads[n], n)
+        self.tl.free("other", d_in)
 
     def adds_into_kept(self) -> bool:
         """Whether this micro-step's gradients are added, one at a time, into whole ones kept from the last."""

@@ -44,7 +44,9 @@ class NoCheckpoint(Option):
     def kept(self, index: int, full: float, parts: dict) -> float:
         """Bytes layer `index` keeps for backward beyond its input, given what it keeps without
         recompute: `full` in all, `parts` by what keeps it ("attn", "mlp", "norm", "qk_norm": the
-        bytes each keeps; "matmul": the matmul and SDPA outputs)."""
+        bytes each keeps; "matmul": the matmul and SDPA outputs; "attn_input", "mlp_input": what
+        attention's and the MLP's projections keep of the norm output they read, and
+        "mlp_input_wrapped" what a wrapper around them keeps of it instead)."""
         return full
 
 
@@ -122,8 +124,11 @@ class Sublayer(_Recompute):
         return self.part == "attn"
 
     def kept(self, index: int, full: float, parts: dict) -> float:
-        # the sub-layer's input (a norm output) is kept: attention's, in place of its projections' casts
-        return full - parts[self.part] - (parts.get("attn_input", 0.0) if self.part == "attn" else 0.0)
+        # the sub-layer's input (a norm output) is kept, in place of its projections' casts of it
+        if self.part == "attn":
+            return full - parts["attn"] - parts.get("attn_input", 0.0)
+        mlp_input = parts.get("mlp_input", 0.0)
+        return full - parts["mlp"] - mlp_input + parts.get("mlp_input_wrapped", mlp_input)
 
     def check(self, plan: Plan) -> None:
         self._validate()
@@ -218,13 +223,18 @@ class Layers(_Recompute):
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         saved = full
-        if "attention" in self.types:  # its insides recomputed; its input kept (not its projections' casts)
-            saved -= parts["attn"] + parts.get("attn_input", 0.0)
+        if "attention" in self.types:  # its insides recomputed
+            saved -= parts["attn"]
+        if "attention" in self.types or "linear" in self.types:  # a wrapper around attention, or around
+            saved -= parts.get("attn_input", 0.0)  # each projection, keeps the norm's output, not their casts of it
+        if "linear" in self.types:  # ... and around the MLP's first projections
+            mlp_input = parts.get("mlp_input", 0.0)
+            saved -= mlp_input - parts.get("mlp_input_wrapped", mlp_input)
         if "layernorm" in self.types:  # what a norm keeps beyond its input
             saved -= parts["norm"]
             if "attention" not in self.types:  # Qwen3's q/k norms: wrapped inside attention only when it is not
                 saved -= parts.get("qk_norm", 0.0)
-        return saved  # a wrapped Linear or activation keeps exactly what it kept before
+        return saved  # any other wrapped Linear, or an activation, keeps what it kept before: its input
 
     def _validate(self) -> None:
         for t in self.types:
