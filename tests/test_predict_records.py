@@ -19,18 +19,10 @@ TOLERANCE = 0.02
 # Records with a run the model is known to miss by more, each with its bound and why (the pages say
 # more). Kept strict: once the model comes within 2% there, the entry must go.
 KNOWN = {
-    # 4-bit AdamW gpt2-xl on 8 GiB, -3.4% (196 MiB): measured before the chunked loss let each slice's
-    # logits go before the next slice's were made (ablate/techniques/loss.py _slice_loss): then
-    # 10 instead of 8 bytes per slice logit were alive, 98 MiB at this size (the 8-bit row's whole
-    # -1.4%). The other 98 MiB: its traced step ran out of memory, so the row has no breakdown to
-    # say (benchmarks/results/NVIDIA-H200/gpt2_xl_8gib.md, the gpt2_xl_8gib_session3 runs). To be
-    # measured again.
-    "NVIDIA-H200/gpt2_xl_8gib_session3": 0.035,
-    # 8-bit AdamW in backward, gpt2-xl on 8 GiB under block recompute, -2.8%: measured before the same
-    # mend (98 MiB here), and predicted since with GPT-2's MLP backward net of GELU's output, which
-    # c_proj's backward frees before GELU's (CPU MemTracker at 4,096 tokens: exact; +14% before).
-    # The other 100 MiB: each weight's in-backward step runs as soon as its gradient is made, beside
-    # the MLP's input gradients, where the model plays the steps after them. To be measured again.
+    # 8-bit AdamW in backward, gpt2-xl on 8 GiB under block recompute, -2.5% (174 MiB): measured
+    # before the chunked loss let each slice's logits go before the next slice's were made
+    # (ablate/techniques/loss.py _slice_loss): then 10 instead of 8 bytes per slice logit were
+    # alive, 98 MiB at this size. The other 76 MiB are not explained. To be measured again.
     "NVIDIA-H200/gpt2_xl_8gib": 0.03,
     # gpt2 at micro-batch 64 x 1024, bf16 autocast, loss=fused, compile=true, -4.3% (1,212 MiB):
     # measured before the same mend, which is 785 MiB at this size (2 bytes per logit of one

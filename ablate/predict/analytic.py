@@ -153,6 +153,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if tiled:
         tile_mlp(sizes, shapes, tr, n)
     sizes.attn_saved = attention_saves(a, sb, r, c, ln, at) if at.kind != "fused" else 0.0
+    if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp:
+        sizes.attn_later = attention_saves(a, sb, r, c, ln, at)
     # RMSNorm's backward in fp32: the gradient of its normalised input and of its fp32 input, two
     # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
@@ -178,7 +180,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's rsqrt and normalised input
     # (for its weight's gradient).
     final = shapes.sbh * r * tr.norms + sb * 4 if a.kind == "llama" else 2 * sb * 4
-    sizes.ln_f_stats = 0 if t.checkpoint.recomputes_final_norm else final
+    sizes.ln_f_recomputed = t.checkpoint.recomputes_final_norm
+    sizes.ln_f_stats = 0 if sizes.ln_f_recomputed else final
     if a.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
         sizes.embed_temp = shapes.sbh * r + shapes.s * shapes.h * r
     else:  # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer

@@ -35,6 +35,7 @@ class Sizes:
     norm_bytes: int = 4  # ln: what a LayerNorm keeps of its input: r, or a 4-byte copy (CUDA autocast)
     blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
     ln_f_stats: float = 0.0  # what the final norm keeps beyond its input and output, unless recomputed
+    ln_f_recomputed: bool = False  # ... which it is: it keeps its input alone
     ln_f_out_held: float = 0.0  # ln_f's output, held beside the head's cast of it until the loss is taken
     head_keeps_input: bool = True  # the head keeps its input (ln_f's output) for its weight's gradient
     embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
@@ -58,6 +59,7 @@ class Sizes:
     attn_backward_temp: float = 0.0
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
     casts_recomputed: bool = False  # a layer's recompute keeps none of them however much else it keeps (cast again)
+    attn_later: float = 0.0  # what attention recomputed on its own makes again, after the second norm's backward
     attn_cast: float = 0.0  # of them, attention's, which its recompute wrapper saves none of (cast again in backward)
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time

@@ -54,8 +54,8 @@ class Step(LossPlay):
     def __init__(self, shapes: Shapes, sizes: Sizes):
         self.shapes, self.sizes, self.tl = shapes, sizes, Timeline()
         self.c, self.r = sizes.compute_bytes, sizes.stream_bytes
-        # ln_f's 4-byte copy of a 16-bit x_L (CUDA autocast)
-        self.ln_copy = shapes.sbh * (sizes.norm_bytes - sizes.stream_bytes)
+        # ln_f's 4-byte copy of a 16-bit x_L (CUDA autocast; RMSNorm always), unless ln_f is recomputed
+        self.ln_copy = 0.0 if sizes.ln_f_recomputed else shapes.sbh * (sizes.norm_bytes - sizes.stream_bytes)
         self.block_names = shapes.layer_names
         in_layers = {n for names in shapes.layer_names for n in names}
         self.root_names = [n for n in sizes.grads if n not in in_layers]
@@ -150,7 +150,7 @@ class Step(LossPlay):
             back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
             # cast again (attention's alone, where only it is recomputed), or copied back
             back += self.sizes.attn_cast if self.keeps_cast(saved) else self.sizes.block_cast
-            early = 0.0  # kept bytes freed before the recompute
+            early, later = 0.0, 0.0  # kept bytes freed before the recompute; recomputed after the second norm's backward
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
             # the output projection's gradients come first: its backward runs before the activation's
             first = mlp if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
@@ -175,14 +175,16 @@ class Step(LossPlay):
                 self.expert_grads(adding)
                 early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
-                tl.alloc("activations", back)
+                later = min(back, sizes.attn_later + sizes.attn_cast)  # attention's own, made in its turn
+                tl.alloc("activations", back - later)
             # after the MLP's backward (its saved tensors gone, its weights' gradients made): the second
-            # norm's fp32 gradients, then attention's (T, T) ones
+            # norm's fp32 gradients, then attention's (T, T) ones, recomputed on its own only now
             for n in mlp:
                 if n not in first:
                     self.grad(sizes.grads[n], n)
             gone = keep(sizes.mlp_saved) - early
             tl.transient("other", max(sizes.norm_backward_temp - gone, 0.0))
+            tl.alloc("activations", later)
             tl.transient("other", max(sizes.attn_backward_temp - gone, 0.0))
             for n in self.block_names[i]:
                 if n not in mlp:
