@@ -229,11 +229,20 @@ class Step(LossPlay):
     def out_proj_grads(self, names: list[str]) -> None:
         """The MLP's output projection's weight gradients, each made beside the gradient of the
         projection's input (its backward makes both before either goes on): what a new gradient
-        added into a kept one, in a later micro-step, is alive with."""
+        added into a kept one, in a later micro-step, is alive with, and what an optimizer stepping
+        in backward steps beside, the projection's input gone by then."""
         d_in = self.sizes.out_proj_input_grad if names and not self.sizes.tiled_mlp else 0.0
         self.tl.alloc("other", d_in)
+        if self.sizes.in_backward and d_in:
+            # The node makes its weight gradients beside the input it saved, and lets that input
+            # go before AccumulateGrad's hook steps them. (The input is the same size as its
+            # gradient; it stays counted in the layer's activations, freed with them below.)
+            self.tl.transient("grads", sum(self.sizes.grads[n] for n in names))
+            self.tl.free("activations", d_in)
         for n in names:
             self.grad(self.sizes.grads[n], n)
+        if self.sizes.in_backward and d_in:
+            self.tl.alloc("activations", d_in)
         self.tl.free("other", d_in)
 
     def adds_into_kept(self) -> bool:
