@@ -281,15 +281,21 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, ad
     - where its backward starts, three (S, h) gradients in the dtype the routing weights'
       multiply made (fp32 with Mixtral's fp32 weights): the reordered one, the one before the
       reorder, and the multiply's own;
+    - at SwiGLU's backward: the product's gradient and both its factors' (3 of S·i), beside
+      down's whole weight gradient (experts, i, h), less the down output's gradient and the
+      product already freed (S·(h + i)): the largest where top_k·inter is wide against hidden
+      (OLMoE's 8 of 64);
     - at gate_up's backward: the gradient of its output (S·2i) and both expert weights' whole
-      gradients, (experts, 3·i, h), less the down output and product already freed (S·(h + i));
+      gradients, (experts, 3·i, h), less the same;
     - `adding` (a later micro-step, whose weight gradients are added into the kept ones one at a
-      time: `expert_moments`): the first and the last of these;
+      time: `expert_moments`): the first two, down's new gradient added and gone by SwiGLU's;
     - the shared expert's gate and up gradients, as Llama's."""
     if a.experts:
         S, h, i, weighted, e = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r, a.experts
-        at_gate_up = 2 * S * i * r + e * 3 * i * h * g - S * (h + i) * r
-        return max(3 * S * h * weighted, 0.0 if adding else at_gate_up, 2 * sb * a.shared_inter * c)
+        freed = S * (h + i) * r
+        at_swiglu = 3 * S * i * r + (0.0 if adding else e * i * h * g) - freed
+        at_gate_up = 2 * S * i * r + e * 3 * i * h * g - freed
+        return max(3 * S * h * weighted, at_swiglu, 0.0 if adding else at_gate_up, 2 * sb * a.shared_inter * c)
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
     # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once)
