@@ -27,8 +27,8 @@ from tests.helpers import ROOT
 # 2 × 3 × 2 × 2 × 2 × 5 = 240 points, two families, the same failures and requeues by index
 SMALL = {**GRID, "optimizer": ("adamw", "sgd", "adafactor"), "checkpoint": ("none", "block")}
 # The report over 1,000 runs against the report over one, on the same machine: Python's start, the
-# imports and the plots are most of both (2.7 and 14.5 s on a slow 2-core VM, where docs/clusters.md's
-# 10 s is 15), so the ratio holds where a wall-clock figure depends on the day's machine.
+# imports and the plots are most of both, so a ratio holds where a wall-clock bound moves with the
+# machine's speed (docs/clusters.md has the figures).
 REPORT_RATIO = 8
 MAX_PX = 4000  # no figure taller or wider: past a handful of runs, plots list and draw a bounded number
 

@@ -30,7 +30,8 @@ from ablate.build import Techniques
 from ablate.predict import Prediction
 from ablate.predict.adapters import FULL, Training, recompute_grads, unfed
 from ablate.predict.attention import Attention, attention_temps, eager_mask
-from ablate.predict.layers import attention_saves, expert_moments, forward_temp, inner_temp, layer_saves, mlp_saves
+from ablate.predict.experts import expert_moments
+from ablate.predict.layers import attention_saves, forward_temp, inner_temp, layer_saves, mlp_saves
 from ablate.predict.shapes import Shapes, shapes_of
 from ablate.predict.tiling import tile_mlp
 from ablate.predict.sizes import Sizes, Unit
