@@ -18,7 +18,8 @@ from ablate.models.hf import HFModule
 from ablate.predict.analytic import analytic
 from ablate.spec import RunSpec
 from ablate.techniques import Invalid
-from tests.helpers import ROOT, compose_config, compose_spec, results_under, run_cli, slow_except, train_nano
+from tests.helpers import (ROOT, compose_config, compose_spec, fast_defaults, results_under, run_cli, slow_except,
+                           train_nano)
 from tests.test_predict import measured
 
 # Parameter counts of the published models (their model cards and transformers agree).
@@ -462,34 +463,37 @@ def test_synthetic_data_draws_from_the_models_vocabulary():
 SWEPT_FAMILIES = [name for name in PUBLISHED if name not in ("llama3.1-8b", "qwen2.5-7b", "smollm2-135m")]
 
 
+# One rung per technique, each on its own against the first (a ladder, not a grid: one launch, the
+# fewest points). Every checkpoint option, accumulation, pure bf16 and the chunked and fused losses
+# are checked per family in-process above (test_every_checkpoint_option_and_accumulation_keep_the_losses);
+# through the CLI, block recompute stands for them, and DDP and FSDP run 2 gloo ranks x 2 samples,
+# the plain run's batch of 4. The batch is a rung's key, not the command line's: the command line
+# would win over every rung.
+FAMILY_RUNGS = ({}, {"checkpoint": "block"}, {"parallel": "ddp", "parallel.nproc": 2},
+                {"parallel": "fsdp", "parallel.nproc": 2})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SWEPT_FAMILIES)  # mixtral-8x7b: a mixture of experts
 def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
-    """The Done-when of bringing a model, as a user runs it: the checkpoint options, accumulation,
-    pure bf16, DDP and FSDP (2 gloo ranks) on a tiny version of the family, through the CLI.
-    Losses equal the plain run's wherever the technique must not change the math."""
+    """The Done-when of bringing a model, as a user runs it: recompute, DDP and FSDP (2 gloo ranks)
+    on a tiny version of the family, through the CLI, each with the plain run's losses."""
+    rungs = ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in {**r, "batch_size": 2 if "parallel" in r else 4}.items())
+                      + "}" for r in FAMILY_RUNGS)
     base = [*tiny(name), "data.vocab_size=128", "steps=3"]
-    # every2 is block's wrapper on every other layer: the family's part is block's, swept here
-    sweeps = {"checkpoint": ["checkpoint=none,block,attention,mlp,ops,layers"],
-              "accumulation": ["accumulation=x4"], "precision": ["precision=bf16_pure"],
-              "parallel": ["parallel=ddp,fsdp", "parallel.nproc=2", "batch_size=2"],
-              "loss": ["loss=chunked", "loss.chunks=3"]}
+    proc = run_cli(["-m", *base, *(f for f in fast_defaults(base) if not f.startswith("batch_size=")),
+                    "hydra/sweeper=ladder", "hydra.sweeper.cumulative=false", f"hydra.sweeper.rungs=[{rungs}]",
+                    f"hydra.sweep.dir={tmp_path}/s"], tmp_path, timeout=900, fast=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
-    for group, args in sweeps.items():
-        proc = run_cli(["-m", *base, *args, f"hydra.sweep.dir={tmp_path}/{group}"], tmp_path, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        for row in results_under(tmp_path / group):
-            assert row["status"] == "ok", (group, row["reason"])
-            rows[(group, row["choices"][group])] = row["metrics"]["losses"]
-    plain = rows[("checkpoint", "none")]
-    for option in ("block", "attention", "mlp", "ops", "layers"):
-        assert rows[("checkpoint", option)] == pytest.approx(plain, rel=1e-5), option
-    assert rows[("accumulation", "x4")] == pytest.approx(plain, rel=1e-4)
-    assert rows[("loss", "chunked")] == pytest.approx(plain, rel=1e-5)
-    for parallel in ("ddp", "fsdp"):  # 2 ranks x 2 samples: the plain run's batch of 4
-        assert rows[("parallel", parallel)] == pytest.approx(plain, rel=1e-4), parallel
-    pure = rows[("precision", "bf16_pure")]
-    assert pure[-1] < pure[0] and pure != plain
+    for row in results_under(tmp_path / "s"):
+        assert row["status"] == "ok", (row["overrides"], row["reason"])
+        rows[row["config"]["rung"]] = row["metrics"]["losses"]
+    assert sorted(rows) == list(range(len(FAMILY_RUNGS)))
+    plain, block, ddp, fsdp = (rows[k] for k in range(len(FAMILY_RUNGS)))
+    assert plain[-1] < plain[0]  # it trains
+    assert block == pytest.approx(plain, rel=1e-5)
+    assert ddp == pytest.approx(plain, rel=1e-4) and fsdp == pytest.approx(plain, rel=1e-4)
 
 
 @pytest.mark.slow

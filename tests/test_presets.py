@@ -1,5 +1,6 @@
-"""The experiment presets (conf/experiment/): each composes, plans at full size without a GPU
-(predict_only), and runs scaled down on a CPU through its benchmark script into a report."""
+"""The experiment presets (conf/experiment/): each composes, has its benchmark script, and plans at
+full size without a GPU (predict_only). Each runs scaled down on a CPU, its page rendered from that
+run, in tests/test_scale.py."""
 from __future__ import annotations
 
 import subprocess
@@ -27,11 +28,6 @@ PRESETS = {
     "long_context": ("llama3.2-1b", 9, 18),
     "groups_check": ("llama3.2-1b", 24, 24),
 }
-# Scaled down for a CPU as the presets' headers say (conf/scale/cpu.yaml; tests/test_scale.py checks
-# that each technique's memory effect points there as on a GPU).
-TINY = ["scale=cpu"]
-
-
 def test_every_preset_is_listed_here():
     assert sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")) == sorted([*PRESETS, "demo", "batch_scan"])
 
@@ -223,22 +219,6 @@ def test_full_7b_plans_a_7b_model_under_17_gib_on_the_card_and_under_8_gib_offlo
     assert all(peaks[(m, "adamw", "params")] <= 8 for m in ("mistral-7b", "llama3.1-8b"))
 
 
-def bench(preset: str, tmp_path, *overrides: str) -> str:
-    """Run benchmarks/<preset>.py on the CPU; returns the Markdown it records."""
-    out = subprocess.run([sys.executable, f"benchmarks/{preset}.py", "--results", str(tmp_path / "results"),
-                          "--sweep-dir", str(tmp_path / "sweep"), f"out_dir={tmp_path}", *TINY, *overrides],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    runs = results_under(tmp_path / "sweep")
-    assert len(runs) == PRESETS[preset][2] and {r["status"] for r in runs} == {"ok"}, \
-        [(r["status"], r["reason"]) for r in runs]
-    md = (tmp_path / "results" / "cpu" / f"{preset}.md").read_text()
-    assert md.startswith(f"# {preset} on CPU") and "- commit: `" in md and "torch " in md
-    for image in (tmp_path / "results" / "cpu" / preset).glob("*.png"):
-        assert f"]({preset}/{image.name})" in md  # every plot is linked from the page
-    return md
-
-
 # groups_check on a CPU: the preset's rungs over a 2-layer Llama of width 64.
 TINY_LLAMA = ["model.config.num_hidden_layers=2", "model.config.hidden_size=64", "model.config.intermediate_size=128",
               "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "model.config.head_dim=16",
@@ -269,37 +249,6 @@ def test_groups_check_benchmark_on_a_cpu(tmp_path):
             r["overrides"]
     md = (tmp_path / "results" / "cpu" / "groups_check.md").read_text()
     assert md.startswith("# groups_check on CPU") and "Prediction error" in md
-
-
-def rows(md: str, heading: str) -> list[str]:
-    """The first cells of the table under `## heading`."""
-    table = md.split(f"## {heading}\n\n", 1)[1].split("\n\n", 1)[0]
-    return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
-
-
-@pytest.mark.slow
-def test_ladder_benchmark_on_a_cpu(tmp_path):
-    md = bench("gpt2_large_ladder", tmp_path)
-    assert rows(md, "Setting (ladder)") == [
-        "Baseline (batch size = 32)", "+ batch size = 64", "+ batch size = 128",
-        "+ Gradient accumulation (32 × 4 = 128)", "+ Block recompute", "+ AdamW for-loop", "+ FSDP (2 processes)"]
-
-
-@pytest.mark.slow
-def test_batch_scan_benchmark_on_a_cpu(tmp_path):
-    md = bench("gpt2_xl_fsdp_batch_scan", tmp_path, "steps=1")
-    titles = [line for line in md.splitlines() if line.startswith("## Batch size scan")]
-    assert len(titles) == 3  # one table per stage: none/post, block/post, block/pre
-    assert rows(md, titles[0][3:]) == ["1", "2", "4", "7", "8", "9"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["single_gpu_techniques", "leanest", "layer_recompute", "gpt2_throughput"])
-def test_preset_benchmark_on_a_cpu(preset, tmp_path):
-    # benchmarks/leanest.py adds model=gpt2-large,gpt2-xl: at scale=cpu's width, 12 points of 36 and
-    # 48 layers (15 minutes on a CPU); the nano model keeps it to the preset's 6 points.
-    md = bench(preset, tmp_path, *(["model=gpt-nano"] if preset == "leanest" else []))
-    assert "## Setting" in md or "## All runs" in md
 
 
 def test_a_recorded_page_names_the_snapshots_left_with_the_sweep_instead_of_dead_links():

@@ -13,16 +13,21 @@ preset's baseline setting (its first rung, or the first value of each swept key)
 (model, batch, card), else, in a cumulative ladder, the rung above it at those sizes. Points that
 differ from the baseline in size alone (a batch scan) are checked apart: a larger batch never
 uses less memory.
+
+A preset with a benchmark script (benchmarks/<preset>.py, what a GPU host runs) has its page
+rendered from the scaled-down run (`--report-only`), so that one run checks both.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from ablate.results import PRUNED
-from tests.helpers import CONF, results_under, run_cli, slow_except
+from tests.helpers import CONF, ROOT, results_under, run_cli, slow_except
 
 # Presets scale=cpu cannot stand for, with why.
 UNSCALED = {
@@ -281,10 +286,46 @@ def test_single_gpu_techniques_run_at_scale_cpu_point_as_on_a_gpu(gpu_plan, tmp_
     assert on_cpu["checkpoint=block"][1] < -0.3  # a third of the peak and more, as on the GPU (-43%)
 
 
+def page(preset: str, tmp, *overrides: str) -> str:
+    """benchmarks/<preset>.py's page, rendered from the sweep under tmp/s (run with `overrides`)."""
+    out = subprocess.run([sys.executable, f"benchmarks/{preset}.py", "--report-only", "--sweep-dir", str(tmp / "s"),
+                          "--results", str(tmp / "results"), *overrides],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    md = (tmp / "results" / "cpu" / f"{preset}.md").read_text()
+    assert md.startswith(f"# {preset} on CPU") and "- commit: `" in md and "torch " in md
+    for image in (tmp / "results" / "cpu" / preset).glob("*.png"):
+        assert f"]({preset}/{image.name})" in md  # every plot is linked from the page
+    return md
+
+
+def rows(md: str, heading: str) -> list[str]:
+    """The first cells of the table under `## heading`."""
+    table = md.split(f"## {heading}\n\n", 1)[1].split("\n\n", 1)[0]
+    return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+
+
+# The tables a preset's page must show: preset -> {heading: the first cells of its rows}.
+PAGE_ROWS = {
+    "gpt2_large_ladder": {"Setting (ladder)": [
+        "Baseline (batch size = 32)", "+ batch size = 64", "+ batch size = 128",
+        "+ Gradient accumulation (32 × 4 = 128)", "+ Block recompute", "+ AdamW for-loop", "+ FSDP (2 processes)"]},
+    "gpt2_xl_fsdp_batch_scan": {  # one table per stage, each over its own batch sizes
+        "Batch size scan: checkpoint=none, parallel.backward_prefetch=post": ["1", "2", "4", "7", "8", "9"],
+        "Batch size scan: checkpoint=block, parallel.backward_prefetch=post": ["8", "16", "32", "64"],
+        "Batch size scan: checkpoint=block, parallel.backward_prefetch=pre": ["8", "16", "32", "64"]},
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_runs_at_scale_cpu_as_on_a_gpu(preset, gpu_plan, tmp_path):
-    """Every preset run scaled down: each technique's traced peak points as the GPU plan's, and
-    the points that do not run are NOT_RUN's."""
+    """Every preset run scaled down: each technique's traced peak points as the GPU plan's, the
+    points that do not run are NOT_RUN's, and its benchmark page renders from the run."""
     gpu, cpu = side_by_side(preset, gpu_plan, tmp_path, "scale=cpu")
     assert check(preset, gpu, cpu) == []
+    if (ROOT / "benchmarks" / f"{preset}.py").exists():
+        md = page(preset, tmp_path, "scale=cpu")
+        assert "## Setting" in md or "## All runs" in md
+        for heading, first_cells in PAGE_ROWS.get(preset, {}).items():
+            assert rows(md, heading) == first_cells, heading
