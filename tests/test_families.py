@@ -459,7 +459,7 @@ def test_synthetic_data_draws_from_the_models_vocabulary():
 
 # A tiny copy of llama3.1-8b or qwen2.5-7b is the layout of llama3.2-1b or qwen2.5-0.5b with an untied
 # head, which mistral-7b's covers, and smollm2-135m's is llama3.2-1b's (LlamaForCausalLM, tied head):
-# the sweep (80-170 s each on two cores) leaves those three out.
+# the sweep leaves those three out.
 SWEPT_FAMILIES = [name for name in PUBLISHED if name not in ("llama3.1-8b", "qwen2.5-7b", "smollm2-135m")]
 
 
