@@ -469,8 +469,9 @@ SWEPT_FAMILIES = [name for name in PUBLISHED if name not in ("llama3.1-8b", "qwe
 # through the CLI, block recompute stands for them, and DDP and FSDP run 2 gloo ranks x 2 samples,
 # the plain run's batch of 4. The batch is a rung's key, not the command line's: the command line
 # would win over every rung.
-FAMILY_RUNGS = ({}, {"checkpoint": "block"}, {"parallel": "ddp", "parallel.nproc": 2},
-                {"parallel": "fsdp", "parallel.nproc": 2})
+FAMILY_RUNGS = ({"batch_size": 4}, {"checkpoint": "block", "batch_size": 4},
+                {"parallel": "ddp", "parallel.nproc": 2, "batch_size": 2},
+                {"parallel": "fsdp", "parallel.nproc": 2, "batch_size": 2})
 
 
 @pytest.mark.slow
@@ -478,8 +479,7 @@ FAMILY_RUNGS = ({}, {"checkpoint": "block"}, {"parallel": "ddp", "parallel.nproc
 def test_every_technique_through_the_cli_on_a_tiny_family(name, tmp_path):
     """The Done-when of bringing a model, as a user runs it: recompute, DDP and FSDP (2 gloo ranks)
     on a tiny version of the family, through the CLI, each with the plain run's losses."""
-    rungs = ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in {**r, "batch_size": 2 if "parallel" in r else 4}.items())
-                      + "}" for r in FAMILY_RUNGS)
+    rungs = ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in r.items()) + "}" for r in FAMILY_RUNGS)
     base = [*tiny(name), "data.vocab_size=128", "steps=3"]
     proc = run_cli(["-m", *base, *(f for f in fast_defaults(base) if not f.startswith("batch_size=")),
                     "hydra/sweeper=ladder", "hydra.sweeper.cumulative=false", f"hydra.sweeper.rungs=[{rungs}]",
