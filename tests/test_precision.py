@@ -16,12 +16,18 @@ from helpers import compose_config, compose_spec, train_nano
 
 
 def test_accumulation_x4_matches_one_batch():
-    base, m0, _, _ = train_nano(steps=4)
-    acc, m4, _, t = train_nano(["accumulation=x4"], steps=4)
-    assert t.accumulation.steps == 4
-    assert base == pytest.approx(acc, abs=1e-5)
-    for a, b in zip(m0.parameters(), m4.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    """Four micro-batches make one batch's gradient up to float round-off. SGD's step is linear in
+    the gradient, so its weights stay that close; AdamW divides by the gradient's running RMS,
+    which scales the round-off of a near-zero gradient up to a sizeable part of the learning
+    rate (2e-5 of 6e-4, depending on the summation order of the machine's kernels), so under it
+    only the losses are compared."""
+    for optimizer in ("adamw", "sgd"):
+        base, m0, _, _ = train_nano([f"optimizer={optimizer}"], steps=4)
+        acc, m4, _, t = train_nano([f"optimizer={optimizer}", "accumulation=x4"], steps=4)
+        assert t.accumulation.steps == 4
+        assert base == pytest.approx(acc, abs=1e-5)
+    for a, b in zip(m0.parameters(), m4.parameters()):  # SGD's
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_accumulation_steps_key_and_divisibility():
