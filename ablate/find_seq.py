@@ -127,8 +127,8 @@ def measured(spec: RunSpec, capacity: float | None, run_dir: Path, run: Callable
     is listed in metrics.find_seq, the answer in metrics.max_seq_len, the guess in
     metrics.predicted_max_seq_len."""
     probes: list[dict] = []
-    fits = prober(run, capacity, probes, "seq_len", lambda seq_len: at_seq_len(spec, seq_len, steps=1),
-                  run_dir / "find_seq", "seq")
+    fits = prober(run, capacity, probes, "seq_len",
+                  lambda seq_len: (at_seq_len(spec, seq_len, steps=1), run_dir / "find_seq" / f"seq_{seq_len}"))
     try:
         best = search(fits, limit, guess)
     except Stopped as stop:

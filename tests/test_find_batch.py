@@ -37,19 +37,28 @@ class FakeRuns:
         micro = micro_of(cfg)
         assert cfg.find_batch is False  # a probe never searches again
         self.calls.append((micro, cfg.steps, where.name))
+        where.mkdir(parents=True, exist_ok=True)  # what a launch leaves there
+        (where / "spec.json").write_text(str(micro))
         metrics = {self.peak_key: micro * self.mib_per_sample} if self.status == "ok" else {}
         return Outcome(self.status, self.reason, metrics)
 
 
 def test_the_search_probes_a_few_micro_batches_then_runs_the_largest_that_fits(tmp_path):
+    """Each micro-batch below the whole batch is tried by a one-step probe in a folder of its own;
+    the whole batch by the point's own run, set aside to where its probe would be when it does
+    not fit."""
     runs = FakeRuns(mib_per_sample=100.0)  # 8 x 100 = 800 fits, 16 x 100 = 1600 does not
     out = find_batch.measured(config(32), CAPACITY, tmp_path, runs)
     assert out.status == "ok" and out.metrics["max_batch_size"] == 8
-    *probes, final = runs.calls
+    *tried, final = runs.calls
+    assert (32, 50, tmp_path.name) in tried  # the binary search reaches the whole batch
+    probes = [call for call in tried if call[0] != 32]
     assert all(steps == 1 and where == f"micro_{micro}" for micro, steps, where in probes)
-    assert len(probes) <= 3  # a binary search of the 6 divisors of 32, not a scan
+    assert len(tried) <= 3  # a binary search of the 6 divisors of 32, not a scan
     assert final == (8, 50, tmp_path.name)  # the point itself: its own steps, in its own directory
-    assert {p["micro_batch"]: p["fits"] for p in out.metrics["find_batch"]} == {m: m <= 8 for m, _, _ in probes}
+    assert {p["micro_batch"]: p["fits"] for p in out.metrics["find_batch"]} == {m: m <= 8 for m, _, _ in tried}
+    assert (tmp_path / "find_batch" / "micro_32" / "spec.json").read_text() == "32"  # set aside
+    assert (tmp_path / "spec.json").read_text() == "8"
 
 
 def test_the_search_starts_at_the_guess_and_checks_the_next_larger(tmp_path):
@@ -65,13 +74,16 @@ def test_the_search_starts_at_the_guess_and_checks_the_next_larger(tmp_path):
     assert [micro for micro, _, _ in wrong.calls][:2] == [64, 32]
 
 
-def test_without_a_capacity_the_whole_batch_is_probed_first(tmp_path):
-    """On a CPU without gpu_memory_gib no peak can be too big: one probe of the whole batch
-    settles a point that runs; only a failing probe sends the search lower."""
+def test_without_a_capacity_the_whole_batch_is_tried_first_by_the_point_itself(tmp_path):
+    """On a CPU without gpu_memory_gib no peak can be too big: the point's own run of the whole
+    batch settles a point that runs, once; only a failing one sends the search lower."""
     runs = FakeRuns(mib_per_sample=100.0)
     out = find_batch.measured(config(32), None, tmp_path, runs)
-    assert [micro for micro, _, _ in runs.calls] == [32, 32] and out.metrics["max_batch_size"] == 32
+    assert runs.calls == [(32, 50, tmp_path.name)] and out.metrics["max_batch_size"] == 32
     assert out.metrics["predicted_max_batch_size"] is None
+    assert out.metrics["find_batch"] == [{"micro_batch": 32, "status": "ok", "reason": None, "peak_mib": 3200.0,
+                                          "fits": True}]
+    assert not (tmp_path / "find_batch").exists()
 
     def killed_above_8(cfg, where):  # e.g. the host's OOM killer
         return Outcome("error", "worker killed by SIGKILL") if micro_of(cfg) > 8 else Outcome("ok", None, {})
@@ -146,7 +158,8 @@ def test_planned_without_a_capacity_or_a_fit_says_why():
 
 def test_the_search_skips_micro_batches_the_point_cannot_run_at(tmp_path):
     """optimizer.in_backward steps inside backward and cannot accumulate: the whole batch is its
-    only micro-batch, so the search probes that and nothing the point would call invalid."""
+    only micro-batch, so the search tries that, by running the point, and nothing the point would
+    call invalid."""
     spec = compose_spec(["batch_size=8", "find_batch=true", "steps=50", "optimizer.in_backward=true"])
     assert find_batch.candidates(spec, lambda probe: outcome.validate(probe) is None) == [8]
     assert find_batch.candidates(config(8), lambda probe: outcome.validate(probe) is None) == [1, 2, 4, 8]
@@ -154,7 +167,7 @@ def test_the_search_skips_micro_batches_the_point_cannot_run_at(tmp_path):
     micros = find_batch.candidates(spec, lambda probe: micro_of(probe) == 8)
     out = find_batch.measured(spec, CAPACITY, tmp_path, runs, micros)
     assert out.status == "ok" and out.metrics["max_batch_size"] == 8
-    assert [micro for micro, _, _ in runs.calls] == [8, 8]  # one probe, then the point
+    assert runs.calls == [(8, 50, tmp_path.name)]  # the point's own run, and nothing else
     planned, best = find_batch.planned(spec, CAPACITY, lambda probe: prediction(100.0 * micro_of(probe)),
                                        micros)
     assert planned.metrics == {"max_batch_size": 8} and best.peak_mib == 800.0
@@ -168,7 +181,7 @@ def test_an_in_backward_point_is_searched_not_invalid(tmp_path):
 
     proc = run_cli(["find_batch=true", "optimizer.in_backward=true", "batch_size=8"], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    (row,) = results_under(tmp_path)  # the probe's directory holds no result.json of its own
+    (row,) = results_under(tmp_path)
     assert row["status"] == "ok", row["reason"]
     assert row["metrics"]["max_batch_size"] == 8
     assert [p["micro_batch"] for p in row["metrics"]["find_batch"]] == [8]
