@@ -50,7 +50,7 @@ test: install-dev
 # a worker per core as it does. SERIAL_SLOW's files run alone afterwards, one test at a time: they
 # start a SLURM cluster of their own, pin CPUs, or hold a command to a wall-clock figure.
 SERIAL_SLOW = tests/test_slurm.py tests/test_slurm_nodes.py tests/test_cluster_scale.py tests/test_sweep_startup.py \
-	tests/test_faults.py tests/test_gpu_pool.py tests/test_cli.py tests/test_cpus.py tests/test_parallel.py
+	tests/test_faults.py tests/test_gpu_pool.py tests/test_cpus.py tests/test_parallel.py
 test-slow: install-dev
 	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=15 $(addprefix --ignore=,$(SERIAL_SLOW))
 	$(PY) -m pytest -q -m slow --durations=15 $(SERIAL_SLOW)

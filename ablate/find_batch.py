@@ -93,8 +93,7 @@ def set_aside(run_dir: Path, into: Path) -> None:
     """The files of the run in run_dir (its spec, log, events and artifacts) into `into`, so that
     the next run there starts clean and this one stays readable where a probe's would be."""
     into.mkdir(parents=True, exist_ok=True)
-    for path in [*(run_dir / name for name in (SPEC, LOG, EVENTS_FILE, *results.ARTIFACTS.values())),
-                 *run_dir.glob("oom_snapshot.rank*.pickle")]:
+    for path in [*(run_dir / name for name in (SPEC, LOG, EVENTS_FILE)), *results.artifact_paths(run_dir)]:
         if path.is_file():
             path.replace(into / path.name)
 

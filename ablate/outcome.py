@@ -15,6 +15,7 @@ from ablate import find_batch, find_seq, results
 from ablate.build import Techniques, check_config
 from ablate.capacity import capacity_mib, host_free_mib
 from ablate.console import Progress
+from ablate.events import EVENTS_FILE
 from ablate.models import param_change
 from ablate.predict import Prediction, predict
 from ablate.predict.step_time import step_time_s
@@ -33,7 +34,7 @@ def launch(spec: RunSpec, run_dir: Path, overrides: list[str], progress: Progres
     # Atomic: every node of a multi-node point writes the same spec here, while the other node's
     # launcher may be reading it (a plain write truncates first, and the reader would see nothing).
     results.write_json(spec_path, {"config": spec.to_config(), "run_dir": str(run_dir), "overrides": overrides})
-    (run_dir / "events.jsonl").unlink(missing_ok=True)  # a rerun in the same directory starts clean
+    (run_dir / EVENTS_FILE).unlink(missing_ok=True)  # a rerun in the same directory starts clean
     results.clear_artifacts(run_dir)
     argv, world, env = worker_command(spec)
     on_gpu = spec.device != "cpu" and visible_gpu_count() > 0  # the measured steps time a GPU, not this host

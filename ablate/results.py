@@ -110,10 +110,16 @@ def find_artifacts(run_dir: str | Path) -> dict:
     return found
 
 
+def artifact_paths(run_dir: str | Path) -> list[Path]:
+    """Where a worker's artifacts go in run_dir: ARTIFACTS' files (written or not) and the per-rank
+    OOM snapshots it left."""
+    run_dir = Path(run_dir)
+    return [*(run_dir / name for name in ARTIFACTS.values()), *sorted(run_dir.glob("oom_snapshot.rank*.pickle"))]
+
+
 def clear_artifacts(run_dir: str | Path) -> None:
     """Before a worker starts in run_dir: an earlier run's files must not pass for this one's."""
-    for path in [*(Path(run_dir) / name for name in ARTIFACTS.values()),
-                 *Path(run_dir).glob("oom_snapshot.rank*.pickle")]:
+    for path in artifact_paths(run_dir):
         path.unlink(missing_ok=True)
 
 
