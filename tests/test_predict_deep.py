@@ -78,7 +78,7 @@ CASES = [pytest.param(name, n, COMPACT, id=f"{name}-{n}")
          for name, n in (("gpt-nano", 3), ("gpt-mini", 7), ("llama3.2-1b", 3), ("pythia-160m", 7),
                          ("mixtral-8x7b", 3))] \
     + [pytest.param(name, n, GRID, id=f"{name}-{n}-grid", marks=pytest.mark.slow)
-       for name in ("gpt-nano", "gpt-mini", *HF) for n in (1, 2, 3, 7)]
+       for name in ("gpt-nano", "gpt-mini", *HF) for n in (3, 7)]  # 1 or 2 layers: no sample, nothing to compare
 
 
 @pytest.mark.parametrize("name, n, points", CASES)
