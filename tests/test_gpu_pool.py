@@ -337,10 +337,10 @@ def test_a_sweep_composes_each_point_once_and_a_pickled_launcher_its_own():
     starts: the launcher's composition is a copy of the check's, never one the check changed."""
     import pickle
 
-    from hydra_plugins.ablate_launcher.launchers import _ComposeOnce
+    from launch.compose_once import ComposeOnce
 
     loader, master = _Loader(), object()
-    once = _ComposeOnce(loader)
+    once = ComposeOnce(loader)
     checked = [once.load_sweep_config(master, [f"seed={s}"]) for s in (1, 2)]
     checked[0]["job"]["num"] = 7  # what a caller does with its own
     launched = [once.load_sweep_config(master, [f"seed={s}"]) for s in (1, 2)]

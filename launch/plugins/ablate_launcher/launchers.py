@@ -13,7 +13,6 @@ still collected.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from omegaconf import OmegaConf
 
 from launch import cpus as host_cpus
 from launch import rebuild_launcher
+from launch.compose_once import ComposeOnce
 from launch.gpu_pool import Lease, QueuedPoint, gpus_wanted, host_gpus, packed
 from launch.jobs import no_result
 from launch.nvml import near_cpus
@@ -149,38 +149,6 @@ class LocalLauncher(_Portable, PluginLocalLauncher):
             return ret
 
 
-class _ComposeOnce:
-    """The sweep's config loader, composing each point once. Hydra composes every point twice: the
-    sweeper first checks that each point of a batch composes, so that a bad one stops the sweep
-    before any runs, then the launcher composes the point it starts. A composition is about a
-    fifth of a planned point's time (the YAML of a dozen config files read and merged), so the
-    launcher's takes a copy the check kept. A pickled launcher (a pool's job, in a process of its own) keeps
-    none: it composes its one point."""
-
-    HELD = 512  # points kept at once; a longer batch composes the rest twice, as Hydra does
-
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-        self._held: dict = {}
-
-    def load_sweep_config(self, master_config: Any, sweep_overrides: list[str]) -> Any:
-        key = (id(master_config), tuple(sweep_overrides))
-        if key in self._held:
-            return self._held.pop(key)
-        config = self._loader.load_sweep_config(master_config, sweep_overrides)
-        if len(self._held) < self.HELD:  # a copy: the caller may change its own (the job's number)
-            self._held[key] = copy.deepcopy(config)
-        return config
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):  # unpickling looks for hooks before _loader is set
-            raise AttributeError(name)
-        return getattr(self._loader, name)
-
-    def __getstate__(self) -> dict:
-        return {"_loader": self._loader, "_held": {}}
-
-
 class GpuPoolLauncher(LocalLauncher):
     """hydra/launcher=gpu_pool, the default. On a host with several GPUs: grid points side by side,
     one per free GPU (parallel.nproc=k takes k; launch/gpu_pool.py), each a local submitit job
@@ -196,9 +164,9 @@ class GpuPoolLauncher(LocalLauncher):
         self.per_gpu = points_per_gpu
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        # The sweeper holds the same context: its check of each point goes through _ComposeOnce too.
-        if not isinstance(hydra_context.config_loader, _ComposeOnce):
-            hydra_context.config_loader = _ComposeOnce(hydra_context.config_loader)
+        # The sweeper holds the same context: its check of each point goes through ComposeOnce too.
+        if not isinstance(hydra_context.config_loader, ComposeOnce):
+            hydra_context.config_loader = ComposeOnce(hydra_context.config_loader)
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
