@@ -74,7 +74,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        except ProcessLookupError:  # gone already; a forked worker's server has reaped it, and
+            with contextlib.suppress(subprocess.TimeoutExpired):  # how it ended is still to be read
+                proc.wait(timeout=KILL_GRACE_S)
             return
         try:
             proc.wait(timeout=KILL_GRACE_S)
@@ -116,26 +118,27 @@ def _one_point_here() -> bool:
 
 
 def prestart(spec: RunSpec, spec_path: Path) -> None:
-    """A worker for the point's launch of spec_path (where `launch` writes it), waiting
+    """A worker server for the point's launch of spec_path (where `launch` writes it), waiting
     (launch/warm_start.py): the one a point before started, else one started now. A submitit job's runs
     one point and is started as its launch, spec path and all, so that `ps` names the point (on a
     cluster the likeliest place to look for it); the sweep's own process starts one that gets it at
-    the go, which any point of the same command and environment can take."""
+    the go, which serves every later point of the same command and environment too."""
     argv, _, extra = worker_command(spec)
     warm_start.prestart([*argv, str(spec_path)] if _one_point_here() else argv, worker_env(extra), _die_with_parent)
 
 
 def _prestart_next(cmd: list[str], env: dict) -> None:
-    """A worker for the next point's launch, if it is of the same command and environment, ready
-    when it comes (launch/warm_start.py); where this process has a next point."""
+    """A worker server for the next point's launch, if it is of the same command and environment,
+    ready when it comes (launch/warm_start.py), unless one waits already; where this process has a
+    next point."""
     if not _one_point_here():
         warm_start.prestart(cmd[:-1], env, _die_with_parent)
 
 
-def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-    """The waiting worker, where it serves this launch, else a new process; its output goes to
-    `log`. (`cmd`'s last argument is the spec.json path: started without it, a waiting worker gets
-    it at the go.)"""
+def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen | warm_start.Forked:
+    """A fork of the waiting server, where it serves this launch, else a new process; its output
+    goes to `log`. (`cmd`'s last argument is the spec.json path: started without it, the server
+    gets it at the go.)"""
     ready = warm_start.take(cmd, [], env, log) or warm_start.take(cmd[:-1], cmd[-1:], env, log)
     if ready:
         return ready

@@ -1,119 +1,225 @@
-"""Workers started before their point is known, so that their imports lie off the points' path.
+"""Workers started before their point is known, imported once and forked for each point.
 
 A worker's start is mostly imports: torch and MemTracker's (torch.distributed._tools), 2.3 s on a
 CPU-only host and 4.6-7.1 s on a GPU host (benchmarks/results/NVIDIA-H200/README.md). So a worker
-command is started with `--wait` after it and no point: it imports, then blocks on stdin, its output
-thrown away. A launch of the same command and environment `take`s it and sends it the point's
-arguments and log file; only what is left of its start-up lies on the point's path. The process is
-as fresh as one started then: nothing runs in it before the go, so its memory figures are the
-point's alone, and from the go on its output goes to the point's worker.log.
+command is started with `--wait` after it and no point: it imports, then serves. A launch of the
+same command and environment `take`s it and sends a point's arguments and log file; the server
+forks, and the child runs the point with its output in the point's worker.log, while the server
+waits for the child, reports how it ended, and then waits for the next point. A sweep's points,
+one after the other, thus pay the imports once rather than once each. Each point still runs in a
+process of its own: the child of a process that has done nothing but import, so its memory
+figures are the point's alone, and no CUDA context is shared (the server never touches CUDA;
+tests/test_warm.py checks that its imports ask nothing of it).
 
 Two moments start one (`prestart`): the job, as soon as it has a point, while it validates and
 predicts (the sweep's first point, or one whose command or environment differs from the last);
-and the launch of a point, once that point's measured steps are done (`prestart_next`), for the
-next point of the sweep, so that its imports overlap this point's eval and teardown and the next
-job's own work. Never beside measured steps: the imports would take CPU from them. A launch that
-does not match starts a fresh process as before, and the waiting worker stays for a later one.
-One waits at a time; it goes when this process exits (its stdin closes, and it exits unused).
+and the launch of a point, once that point's measured steps are done (`_prestart_next` in
+launch/local.py), where no server waits for the next one. A launch that does not match starts a
+fresh process as before, and the waiting server stays for a later one. One server waits at a time;
+it goes when this process exits (its stdin closes).
 
-`ps` shows such a worker as its command and `--wait`, without the point: the run's events.jsonl
-has its pid ("started"). Where a process runs a single point (a submitit job) the job starts it
+`ps` shows such a worker (and each point forked from it) as its command, `--wait` and the fd it
+replies on, without the point: the run's events.jsonl has the point's pid ("started"). Where a process runs a single point (a submitit job) the job starts it
 with the spec path in its command instead (launch/local.py), and the go sends no arguments.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_FLAG = "--wait"  # after the worker's command: wait for the point on stdin first
+WAIT_FLAG = "--wait"  # after the worker's command, before the reply pipe's fd: serve points sent on stdin
+REPLY_S = 600.0  # the longest a launch waits for a server still importing before it starts its own
+
+
+class _Lines:
+    """Lines from a pipe read with a time limit (select), for the server's replies."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.buf = fd, b""
+
+    def next(self, timeout: float | None) -> str | None:
+        """The next whole line; "" at the end of the pipe; None when none came in `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self.fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self.fd, 4096)
+            if not chunk:
+                return ""
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+
+class Forked:
+    """A point's worker, forked by a server: what launch/local.py asks of a subprocess.Popen (pid,
+    poll, wait, returncode). The server is its parent, so the server reports how it ended."""
+
+    def __init__(self, server: Warm, pid: int) -> None:
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        return self._ended(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._ended(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+        return code
+
+    def _ended(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            line = self.server.lines.next(timeout)
+            if line == "":  # the server died without a word (killed): so did its child (PDEATHSIG)
+                self.server.proc.wait()
+                self.returncode = -signal.SIGKILL
+            elif line is not None:
+                self.returncode = int(line)
+            if self.returncode is not None:
+                self.server.busy = None
+                if self.server.proc.stdin.closed:  # retired while this ran: it exits now
+                    self.server.discard()
+        return self.returncode
 
 
 @dataclass
 class Warm:
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # the server
     cmd: list[str]  # the command it was started as (a point's arguments come with the go)
     env: dict  # its whole environment, as that launch's
+    lines: _Lines  # its replies: a point's pid, then how that point ended
+    busy: Forked | None = None  # its point still running: it serves the next once that one ends
 
     def serves(self, cmd: list[str], env: dict) -> bool:
         return self.cmd == cmd and self.env == env and self.proc.poll() is None
 
     def discard(self) -> None:
-        """Unused: it goes, with whatever it started (its own session). It has written nothing."""
+        """It goes, with whatever it started (its own session; a running point's child dies with
+        it, PDEATHSIG)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc.stdin.close()
+        with contextlib.suppress(OSError):  # closed already: discarded twice
+            os.close(self.lines.fd)
+
+    def retire(self) -> None:
+        """No more points: it goes now if idle, else once its running point has ended (its stdin
+        closed, it exits after reporting), so that the point is not killed with it."""
+        if self.busy is None or self.busy.returncode is not None:
+            self.discard()
+        else:
+            self.proc.stdin.close()
 
 
-_waiting: Warm | None = None  # this process's one waiting worker
+_waiting: Warm | None = None  # this process's one waiting server
 
 
 def prestart(cmd: list[str], env: dict, preexec_fn=None) -> None:
-    """A worker for launches of `cmd` (with the whole environment `env`) waiting: the one already
+    """A server for launches of `cmd` (with the whole environment `env`) waiting: the one already
     waiting where it serves them, else a new one (and the other goes)."""
     global _waiting
     if _waiting is not None and _waiting.serves(cmd, env):
         return
     drop()
+    # Replies come on a pipe of their own, not stdout, where an import may print.
+    read, write = os.pipe()
     try:
-        proc = subprocess.Popen([*cmd, WAIT_FLAG], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True, env=env, preexec_fn=preexec_fn)
+        proc = subprocess.Popen([*cmd, WAIT_FLAG, str(write)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, env=env, preexec_fn=preexec_fn,
+                                pass_fds=(write,))
     except OSError:  # no process to be had (EAGAIN, ENOMEM, EACCES): only the head start is lost; the
-        return  # launch starts its own, and a failure there is the point's `launch failed` row
-    _waiting = Warm(proc, list(cmd), dict(env))
+        os.close(read)  # launch starts its own, and a failure there is the point's `launch failed` row
+        return
+    finally:
+        os.close(write)
+    _waiting = Warm(proc, list(cmd), dict(env), _Lines(read))
 
 
-def take(cmd: list[str], args: list[str], env: dict, log: Path) -> subprocess.Popen | None:
-    """The waiting worker, told to run `args` with its output into `log` (created anew), where it
-    was started as `cmd` with `env` and still waits; else None, and it stays for a later launch
-    (one that died goes)."""
-    global _waiting
+def take(cmd: list[str], args: list[str], env: dict, log: Path) -> Forked | None:
+    """The point's worker, forked by the waiting server to run `args` with its output into `log`
+    (created anew), where the server was started as `cmd` with `env`, is not running a point and
+    still serves; else None, and it stays for a later launch (one that died goes)."""
     warm = _waiting
-    if warm is None or not warm.serves(cmd, env):
+    if warm is not None and warm.busy is not None:
+        warm.busy.poll()  # its last point ended, even where nobody waited for it
+    if warm is None or not warm.serves(cmd, env) or warm.busy is not None:
         if warm is not None and warm.proc.poll() is not None:
             drop()
         return None
-    _waiting = None
     try:
         warm.proc.stdin.write(json.dumps({"args": args, "log": str(log)}).encode() + b"\n")
-        warm.proc.stdin.close()
+        warm.proc.stdin.flush()
     except BrokenPipeError:  # it died between the poll and the write
-        warm.discard()
+        drop()
         return None
-    return warm.proc
+    reply = warm.lines.next(REPLY_S)  # its child's pid, once its imports are done
+    if not reply:  # it died, or is stuck importing: the launch starts its own
+        drop()
+        return None
+    warm.busy = Forked(warm, int(reply))
+    return warm.busy
 
 
 def drop() -> None:
-    """Kill the waiting worker, if one waits."""
+    """Let the waiting server go, if one waits (once its running point, if any, has ended)."""
     global _waiting
     warm, _waiting = _waiting, None
     if warm is not None:
-        warm.discard()
+        warm.retire()
 
 
 atexit.register(drop)
 
 
 def arguments(argv: list[str]) -> list[str] | None:
-    """In the worker, once imported: its arguments, after the go (which also sends its output to
-    the point's log) where it was started waiting; None where its starter went away instead."""
-    if argv[-1:] != [WAIT_FLAG]:
+    """In the worker, once imported: its arguments. Started with `--wait FD`, it serves instead: for
+    each go it forks, and returns in the child (its output sent to the point's log) with the go's
+    arguments, replying on FD; the server itself returns None once its starter closes its stdin
+    or goes away."""
+    if argv[-2:-1] != [WAIT_FLAG]:
         return argv
-    line = sys.stdin.readline()
-    if not line.strip():
-        return None
-    go = json.loads(line)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    server, replies, argv = os.getpid(), int(argv[-1]), argv[:-2]
+    while line := sys.stdin.readline().strip():
+        go = json.loads(line)
+        if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+            return None  # a child cannot use CUDA after this: the launch starts its own worker
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(replies)
+            return _child(argv, go, server)
+        os.write(replies, f"{pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        os.write(replies, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    return None
+
+
+def _child(argv: list[str], go: dict, server: int) -> list[str]:
+    """In the forked child: a session of its own (the launch kills its group), dead with the server
+    (which dies with the launch), its output in the point's log, and the go's arguments."""
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != server:  # the server died before the line above: nobody waits for this point
+        os._exit(1)
     fd = os.open(go["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)  # and torchrun's ranks, which inherit them
     os.dup2(fd, 2)
     os.close(fd)
-    return [*argv[:-1], *go["args"]]
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the server's stdin is the launch's, not the point's
+    os.close(null)
+    return [*argv, *go["args"]]

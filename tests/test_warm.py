@@ -1,12 +1,16 @@
-"""Workers started ahead of their launch (launch/warm_start.py): the launch takes the process that
-imported while the job, or the point before, worked; from the go its output is the run's
-worker.log; a launch it does not serve starts a fresh process as before."""
+"""Workers started ahead of their launch (launch/warm_start.py): a server that imported while the
+job, or the point before, worked; each launch it serves runs in a child forked from it, its output
+in the run's worker.log, how it ended reported back; a launch it does not serve starts a fresh
+process as before."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -14,9 +18,24 @@ from ablate.console import Progress
 from launch import local, warm_start
 from tests.helpers import FAST, ROOT, compose_spec, started_pids
 
-# A stand-in worker: prints while it "imports", then, once told to go, the arguments it runs with.
-STAND_IN = [sys.executable, "-c", "import sys; print('imported', flush=True); from launch import warm_start; "
-                                  "print('running', warm_start.arguments(sys.argv[1:]))"]
+# A stand-in worker: prints while it "imports", then, in each point's child, the arguments it runs
+# with; `exitN` exits with N, `killed` dies of SIGKILL, `sleep` waits for its stdin (the server's
+# child reads /dev/null: it goes on at once) or sleeps while `hold` exists.
+STAND_IN = [sys.executable, "-c", """
+import os, signal, sys, time
+print('imported', flush=True)
+from launch import warm_start
+args = warm_start.arguments(sys.argv[1:])
+print('running', args, os.getpid(), flush=True)
+for arg in args or ():
+    if arg.startswith('exit'):
+        sys.exit(int(arg[4:]))
+    if arg == 'killed':
+        os.kill(os.getpid(), signal.SIGKILL)
+    if arg.startswith('hold='):
+        while os.path.exists(arg[5:]):
+            time.sleep(0.05)
+"""]
 
 
 @pytest.fixture(autouse=True)
@@ -25,15 +44,85 @@ def no_warm_worker_left():
     warm_start.drop()
 
 
-def test_the_launch_takes_the_waiting_process_and_its_output_goes_to_worker_log(tmp_path):
+def ran(log) -> tuple[list[str], int]:
+    """What a stand-in's point printed: its arguments and pid."""
+    *args, pid = log.read_text().removeprefix("running ").split()
+    return eval(" ".join(args)), int(pid)  # the list as Python printed it
+
+
+def test_the_launch_runs_in_a_child_of_the_waiting_server_its_output_in_worker_log(tmp_path):
     env, log = local.worker_env({}), tmp_path / "run" / local.LOG
     log.parent.mkdir()
     warm_start.prestart(STAND_IN, env)
-    waiting = warm_start._waiting.proc
-    assert warm_start.take(STAND_IN, ["spec.json"], env, log) is waiting and waiting.wait(timeout=60) == 0
-    # what it printed while it waited went nowhere; from the go on, into the point's log
-    assert log.read_text() == "running ['spec.json']\n"
-    assert warm_start._waiting is None
+    server = warm_start._waiting.proc
+    worker = warm_start.take(STAND_IN, ["spec.json"], env, log)
+    assert worker.wait(timeout=60) == 0 and worker.returncode == 0
+    # what it printed while it imported went nowhere; from the go on, into the point's log
+    assert ran(log) == (["spec.json"], worker.pid) and worker.pid != server.pid
+    assert warm_start._waiting.proc is server and server.poll() is None  # it serves the next
+
+
+def test_a_server_runs_point_after_point_each_in_a_process_of_its_own(tmp_path):
+    env = local.worker_env({})
+    warm_start.prestart(STAND_IN, env)
+    server = warm_start._waiting.proc
+    pids = []
+    for i in range(3):
+        worker = warm_start.take(STAND_IN, [f"point{i}"], env, tmp_path / f"log{i}")
+        assert worker.wait(timeout=60) == 0
+        assert ran(tmp_path / f"log{i}") == ([f"point{i}"], worker.pid)
+        pids.append(worker.pid)
+        warm_start.prestart(STAND_IN, env)  # the next point's job finds it waiting: no new process
+        assert warm_start._waiting.proc is server
+    assert len(set(pids)) == 3 and server.pid not in pids
+
+
+@pytest.mark.parametrize("arg, code", [("exit3", 3), ("killed", -signal.SIGKILL)])
+def test_how_a_forked_point_ended_is_its_exit_code_as_a_subprocess_would_say(tmp_path, arg, code):
+    env = local.worker_env({})
+    warm_start.prestart(STAND_IN, env)
+    assert warm_start.take(STAND_IN, [arg], env, tmp_path / "log").wait(timeout=60) == code
+    assert warm_start.take(STAND_IN, ["next"], env, tmp_path / "next").wait(timeout=60) == 0
+
+
+def test_a_server_with_a_point_running_serves_no_second_one_and_lets_it_finish_when_it_goes(tmp_path):
+    """One point at a time per server; one let go while its point runs (another command's launch
+    came) goes once that point ends, which is not killed with it."""
+    env, hold = local.worker_env({}), tmp_path / "hold"
+    hold.touch()
+    warm_start.prestart(STAND_IN, env)
+    server = warm_start._waiting.proc
+    running = warm_start.take(STAND_IN, [f"hold={hold}"], env, tmp_path / "log")
+    assert running.poll() is None
+    assert warm_start.take(STAND_IN, ["second"], env, tmp_path / "second") is None
+    warm_start.prestart([*STAND_IN, "other"], env)  # another command: the server is let go
+    assert warm_start._waiting.proc is not server and running.poll() is None and server.poll() is None
+    hold.unlink()
+    assert running.wait(timeout=60) == 0 and server.wait(timeout=60) is not None
+
+
+def test_a_point_dies_with_its_server(tmp_path):
+    """A server killed outright (its own starter killed: PDEATHSIG) takes its running point with
+    it, and the launch hears of a kill."""
+    env, hold = local.worker_env({}), tmp_path / "hold"
+    hold.touch()
+    warm_start.prestart(STAND_IN, env)
+    server = warm_start._waiting.proc
+    running = warm_start.take(STAND_IN, [f"hold={hold}"], env, tmp_path / "log")
+    os.killpg(server.pid, signal.SIGKILL)
+    assert running.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while alive(running.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(running.pid)
+
+
+def alive(pid: int) -> bool:
+    """Running: a process that exited but was never reaped (a zombie) is not."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_waiting_worker_serves_the_next_launch_of_its_command_and_environment():
@@ -72,11 +161,37 @@ def test_a_dropped_warm_worker_exits_without_running_and_leaves_no_log(tmp_path)
     assert waiting.poll() is not None and not list(tmp_path.iterdir())
 
 
+def test_the_servers_imports_ask_nothing_of_cuda():
+    """A child forked after CUDA's driver is set up cannot use CUDA: the worker's and torchrun's
+    imports (all a server runs before it forks) must not ask whether there is a GPU. Every call
+    that would set CUDA up raises here."""
+    code = ("import torch, torch.cuda\n"
+            "def refusal(name):\n"  # one function per name: dynamo's rules map each torch function once
+            "    def refuse(*a, **k): raise AssertionError(f'torch.cuda.{name} called at import')\n"
+            "    return refuse\n"
+            "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device', 'get_device_properties',"
+            " 'get_device_capability', 'mem_get_info', 'set_device'):\n"
+            "    setattr(torch.cuda, name, refusal(name))\n"
+            "import ablate.worker, launch.torchrun\n"
+            "print(torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "False"
+
+
+@pytest.fixture
+def forks(monkeypatch) -> list:
+    """The workers the launches took from a server (None for a launch that started its own)."""
+    taken, take = [], warm_start.take
+    monkeypatch.setattr(warm_start, "take", lambda *args: taken.append(take(*args)) or taken[-1])
+    return taken
+
+
 @pytest.mark.parametrize("submitit", [False, True])
-def test_a_real_point_runs_in_its_prestarted_worker(tmp_path, monkeypatch, submitit):
-    """The job's own path: a worker prestarted for the point, then launched: the worker that
-    reports is the process started ahead (its pid), and the run is ok. In a submitit job (one
-    point) it is started with the point's spec path in its command, for `ps` to show."""
+def test_a_real_point_runs_in_a_fork_of_its_prestarted_worker(tmp_path, monkeypatch, forks, submitit):
+    """The job's own path: a server prestarted for the point, then launched: the worker that
+    reports is a child forked from the process started ahead, and the run is ok. In a submitit job
+    (one point) the server is started with the point's spec path in its command, for `ps` to show."""
     from ablate.outcome import launch
 
     if submitit:
@@ -85,11 +200,12 @@ def test_a_real_point_runs_in_its_prestarted_worker(tmp_path, monkeypatch, submi
         monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     spec, run_dir = compose_spec(FAST), tmp_path / "run"
     local.prestart(spec, run_dir / local.SPEC)
-    pid = warm_start._waiting.proc.pid
-    assert (str(run_dir / local.SPEC) in warm_start._waiting.cmd) == submitit
+    server = warm_start._waiting
+    assert (str(run_dir / local.SPEC) in server.cmd) == submitit
     outcome = launch(spec, run_dir, [], Progress("warm", stream=open(os.devnull, "w")))
     assert outcome.status == "ok", outcome.reason
-    assert started_pids(run_dir) == [pid]
+    (worker,) = filter(None, forks)
+    assert worker.server is server and started_pids(run_dir) == [worker.pid] != [server.proc.pid]
     assert 0 <= outcome.phases["startup"]  # from the launch: what was left of its imports
 
 
@@ -107,24 +223,29 @@ def test_a_launch_replaces_the_spec_whole_for_a_reader_on_another_node(tmp_path)
     assert json.loads((run_dir / local.SPEC).read_text())["run_dir"] == str(run_dir)
 
 
-def test_the_next_point_runs_in_the_worker_started_after_this_ones_measured_steps(tmp_path, monkeypatch):
-    """A sweep's points one after the other: once a point's measured steps are done, a worker for
-    the next starts importing, and the next launch runs in it. Not in a submitit job (one point)."""
+def test_a_sweeps_points_run_in_forks_of_the_server_started_after_the_first_ones_measured_steps(
+        tmp_path, monkeypatch, forks):
+    """A sweep's points one after the other: once the first point's measured steps are done, a
+    server starts importing, and every later launch runs in a child of it. Not in a submitit job
+    (one point)."""
     from ablate.outcome import launch
 
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     spec, quiet = compose_spec(FAST), Progress("warm", stream=open(os.devnull, "w"))
     assert launch(spec, tmp_path / "a", [], quiet).status == "ok"
     assert warm_start._waiting is not None
-    pid = warm_start._waiting.proc.pid
-    assert launch(spec, tmp_path / "b", [], quiet).status == "ok"
-    assert started_pids(tmp_path / "b") == [pid]
-    log = tmp_path / "b" / local.LOG  # kept only if the worker printed anything
-    assert not log.exists() or "Traceback" not in log.read_text()
+    server = warm_start._waiting
+    for point in "bc":
+        assert launch(spec, tmp_path / point, [], quiet).status == "ok"
+        assert started_pids(tmp_path / point) == [forks[-1].pid] and forks[-1].server is server
+        log = tmp_path / point / local.LOG  # kept only if the worker printed anything
+        assert not log.exists() or "Traceback" not in log.read_text()
+    b, c = filter(None, forks)
+    assert b.pid != c.pid and warm_start._waiting is server
 
     warm_start.drop()
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
-    assert launch(spec, tmp_path / "c", [], quiet).status == "ok"
+    assert launch(spec, tmp_path / "d", [], quiet).status == "ok"
     assert warm_start._waiting is None
 
 
