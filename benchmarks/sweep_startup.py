@@ -4,9 +4,10 @@
 
 runs the sweep below `--repeats` times (3) in each checkout (default: this one), one after another,
 and writes `<results>/<device>/sweep_startup.md`: per checkout, its commit, the medians of the sweep's
-wall time (this script's clock around the process), of the first point's `startup` (the worker's
-start left at its launch: the job started it while it predicted) and of the later points' (started
-while the point before finished: launch/warm_start.py), and of each point's time outside its measured steps.
+wall time (this script's clock around the process) and CPU time (it and every process it started),
+of the first point's `startup` (the worker's start left at its launch: the job started it while it
+predicted) and of the later points' (forked from the same server: launch/warm_start.py), and of
+each point's time outside its measured steps.
 Two checkouts (`--tree before=<worktree of the old commit> --tree after=.`) give a before and after.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -32,22 +34,30 @@ def one_sweep(tree: Path) -> dict:
     """The sweep once in the checkout `tree`: its wall time (s), its commit, and per point in the
     order they ran, (startup, outside the measured steps) in seconds."""
     with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _children_cpu_s()
         proc = subprocess.run([sys.executable, "-m", "ablate", *SWEEP, f"out_dir={out}",
                                f"hydra.sweep.dir={out}/sweep"], cwd=tree, capture_output=True, text=True)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, _children_cpu_s() - cpu
         if proc.returncode != 0:
             sys.exit(f"{shlex.join(SWEEP)} failed in {tree}:\n{proc.stderr[-3000:]}")
         results = sorted((json.loads(p.read_text()) for p in Path(out, "sweep").rglob("result.json")),
                          key=lambda r: r["timing"]["started_at"])
     points = [(r["timing"]["phases_s"]["startup"], r["timing"]["wall_s"] - r["timing"]["phases_s"]["measured"])
               for r in results]
-    return {"wall_s": wall, "sha": results[0]["env"].get("git_sha"), "points": points}
+    return {"wall_s": wall, "cpu_s": cpu, "sha": results[0]["env"].get("git_sha"), "points": points}
+
+
+def _children_cpu_s() -> float:
+    """User and system CPU seconds of this process's finished children, and theirs (each worker is
+    waited for by whoever started it, so a sweep's total reaches here)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def summary(sweeps: list[dict]) -> dict:
     later = [s for sweep in sweeps for s, _ in sweep["points"][1:]]
     return {"sha": sweeps[0]["sha"], "wall": statistics.median(s["wall_s"] for s in sweeps),
+            "cpu": statistics.median(s["cpu_s"] for s in sweeps),
             "first": statistics.median(sweep["points"][0][0] for sweep in sweeps),
             "later": statistics.median(later),
             "outside": statistics.median(o for sweep in sweeps for _, o in sweep["points"])}
@@ -72,12 +82,12 @@ def main(argv: list[str] | None = None) -> Path:
              f"- device: CPU, host `{platform.node()}` ({os.cpu_count()} {platform.machine()} CPUs), load "
              f"average {load[0]:.2f} before, {os.getloadavg()[0]:.2f} after",
              f"- finished: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             "| Checkout | Commit | Sweep wall (s) | First point's startup (s) | Later points' startup (s) | "
-             "Outside the measured steps, per point (s) |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| Checkout | Commit | Sweep wall (s) | Sweep CPU, all processes (s) | First point's startup (s) | "
+             "Later points' startup (s) | Outside the measured steps, per point (s) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for name, s in rows.items():
-        lines.append(f"| {name} | `{(s['sha'] or '?')[:12]}` | {s['wall']:.1f} | {s['first']:.2f} | {s['later']:.2f} "
-                     f"| {s['outside']:.2f} |")
+        lines.append(f"| {name} | `{(s['sha'] or '?')[:12]}` | {s['wall']:.1f} | {s['cpu']:.1f} | {s['first']:.2f} "
+                     f"| {s['later']:.2f} | {s['outside']:.2f} |")
     out = Path(args.results) / device_dir(None)
     out.mkdir(parents=True, exist_ok=True)
     md = out / "sweep_startup.md"

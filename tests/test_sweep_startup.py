@@ -18,5 +18,6 @@ def test_the_page_has_a_row_per_checkout_with_its_startups(tmp_path):
     assert "python -m ablate -m seed=0,1,2,3 model=gpt-nano steps=3 device=cpu" in page
     (row,) = [line for line in page.splitlines() if line.startswith("| here |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    wall, first, later, outside = map(float, cells[2:])
+    wall, cpu, first, later, outside = map(float, cells[2:])
     assert wall > 0 and first >= 0 and later >= 0 and outside > later  # outside a point's steps: its startup too
+    assert cpu > 0.5 * wall  # the sweep's process and its points' workers, busy most of the sweep
