@@ -124,7 +124,8 @@ def prestart(spec: RunSpec, spec_path: Path) -> None:
     cluster the likeliest place to look for it); the sweep's own process starts one that gets it at
     the go, which serves every later point of the same command and environment too."""
     argv, _, extra = worker_command(spec)
-    warm_start.prestart([*argv, str(spec_path)] if _one_point_here() else argv, worker_env(extra), _die_with_parent)
+    one = _one_point_here()
+    warm_start.prestart([*argv, str(spec_path)] if one else argv, worker_env(extra), _die_with_parent, once=one)
 
 
 def _prestart_next(cmd: list[str], env: dict) -> None:

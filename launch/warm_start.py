@@ -19,8 +19,10 @@ fresh process as before, and the waiting server stays for a later one. One serve
 it goes when this process exits (its stdin closes).
 
 `ps` shows such a worker (and each point forked from it) as its command, `--wait` and the fd it
-replies on, without the point: the run's events.jsonl has the point's pid ("started"). Where a process runs a single point (a submitit job) the job starts it
-with the spec path in its command instead (launch/local.py), and the go sends no arguments.
+replies on, without the point: the run's events.jsonl has the point's pid ("started"). Where a
+process runs a single point (a submitit job) the job starts it with the spec path in its command
+instead and `--wait once` (launch/local.py): the go sends no arguments, and it runs the point
+itself, unforked, as before.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_FLAG = "--wait"  # after the worker's command, before the reply pipe's fd: serve points sent on stdin
+WAIT_FLAG = "--wait"  # after the worker's command, before the reply pipe's fd (or ONCE): serve points sent on stdin
+ONCE = "once"  # after WAIT_FLAG: run the one point sent, in this process (a job of one point)
 REPLY_S = 600.0  # the longest a launch waits for a server still importing before it starts its own
 
 
@@ -98,7 +101,7 @@ class Warm:
     proc: subprocess.Popen  # the server
     cmd: list[str]  # the command it was started as (a point's arguments come with the go)
     env: dict  # its whole environment, as that launch's
-    lines: _Lines  # its replies: a point's pid, then how that point ended
+    lines: _Lines | None  # its replies: a point's pid, then how that point ended (None: it runs one itself)
     busy: Forked | None = None  # its point still running: it serves the next once that one ends
 
     def serves(self, cmd: list[str], env: dict) -> bool:
@@ -111,7 +114,7 @@ class Warm:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc.stdin.close()
-        with contextlib.suppress(OSError):  # closed already: discarded twice
+        with contextlib.suppress(OSError, AttributeError):  # closed already (discarded twice), or none
             os.close(self.lines.fd)
 
     def retire(self) -> None:
@@ -126,31 +129,37 @@ class Warm:
 _waiting: Warm | None = None  # this process's one waiting server
 
 
-def prestart(cmd: list[str], env: dict, preexec_fn=None) -> None:
+def prestart(cmd: list[str], env: dict, preexec_fn=None, once: bool = False) -> None:
     """A server for launches of `cmd` (with the whole environment `env`) waiting: the one already
-    waiting where it serves them, else a new one (and the other goes)."""
+    waiting where it serves them, else a new one (and the other goes). `once`: a process with one
+    point to run (a submitit job's), which runs it itself, unforked, as a process started for it
+    would."""
     global _waiting
     if _waiting is not None and _waiting.serves(cmd, env):
         return
     drop()
     # Replies come on a pipe of their own, not stdout, where an import may print.
-    read, write = os.pipe()
+    read, write = os.pipe() if not once else (None, None)
     try:
-        proc = subprocess.Popen([*cmd, WAIT_FLAG, str(write)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True, env=env, preexec_fn=preexec_fn,
-                                pass_fds=(write,))
+        proc = subprocess.Popen([*cmd, WAIT_FLAG, ONCE if once else str(write)], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+                                preexec_fn=preexec_fn, pass_fds=() if once else (write,))
     except OSError:  # no process to be had (EAGAIN, ENOMEM, EACCES): only the head start is lost; the
-        os.close(read)  # launch starts its own, and a failure there is the point's `launch failed` row
+        if not once:  # launch starts its own, and a failure there is the point's `launch failed` row
+            os.close(read)
         return
     finally:
-        os.close(write)
-    _waiting = Warm(proc, list(cmd), dict(env), _Lines(read))
+        if not once:
+            os.close(write)
+    _waiting = Warm(proc, list(cmd), dict(env), None if once else _Lines(read))
 
 
-def take(cmd: list[str], args: list[str], env: dict, log: Path) -> Forked | None:
+def take(cmd: list[str], args: list[str], env: dict, log: Path) -> Forked | subprocess.Popen | None:
     """The point's worker, forked by the waiting server to run `args` with its output into `log`
     (created anew), where the server was started as `cmd` with `env`, is not running a point and
-    still serves; else None, and it stays for a later launch (one that died goes)."""
+    still serves (the server itself where it was started for one point); else None, and it stays
+    for a later launch (one that died goes)."""
+    global _waiting
     warm = _waiting
     if warm is not None and warm.busy is not None:
         warm.busy.poll()  # its last point ended, even where nobody waited for it
@@ -164,6 +173,10 @@ def take(cmd: list[str], args: list[str], env: dict, log: Path) -> Forked | None
     except BrokenPipeError:  # it died between the poll and the write
         drop()
         return None
+    if warm.lines is None:  # started for this one point: it runs it
+        _waiting = None
+        warm.proc.stdin.close()
+        return warm.proc
     reply = warm.lines.next(REPLY_S)  # its child's pid, once its imports are done
     if not reply:  # it died, or is stuck importing: the launch starts its own
         drop()
@@ -187,10 +200,18 @@ def arguments(argv: list[str]) -> list[str] | None:
     """In the worker, once imported: its arguments. Started with `--wait FD`, it serves instead: for
     each go it forks, and returns in the child (its output sent to the point's log) with the go's
     arguments, replying on FD; the server itself returns None once its starter closes its stdin
-    or goes away."""
+    or goes away. Started with `--wait once`, it returns the one go's arguments itself."""
     if argv[-2:-1] != [WAIT_FLAG]:
         return argv
-    server, replies, argv = os.getpid(), int(argv[-1]), argv[:-2]
+    mode, argv = argv[-1], argv[:-2]
+    if mode == ONCE:
+        line = sys.stdin.readline().strip()
+        if not line:
+            return None
+        go = json.loads(line)
+        _to_log(go["log"])
+        return [*argv, *go["args"]]
+    server, replies = os.getpid(), int(mode)
     while line := sys.stdin.readline().strip():
         go = json.loads(line)
         if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
@@ -215,11 +236,18 @@ def _child(argv: list[str], go: dict, server: int) -> list[str]:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != server:  # the server died before the line above: nobody waits for this point
         os._exit(1)
-    fd = os.open(go["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)  # and torchrun's ranks, which inherit them
-    os.dup2(fd, 2)
-    os.close(fd)
+    _to_log(go["log"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the server's stdin is the launch's, not the point's
     os.close(null)
     return [*argv, *go["args"]]
+
+
+def _to_log(log: str) -> None:
+    """From here on, this process's output (and its children's) goes to the point's log."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)  # and torchrun's ranks, which inherit them
+    os.dup2(fd, 2)
+    os.close(fd)

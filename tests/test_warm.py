@@ -77,6 +77,17 @@ def test_a_server_runs_point_after_point_each_in_a_process_of_its_own(tmp_path):
     assert len(set(pids)) == 3 and server.pid not in pids
 
 
+def test_a_worker_started_for_one_point_runs_it_itself(tmp_path):
+    """A submitit job's: no fork, the process started ahead is the point's, as one started for
+    it would be; it serves nothing after."""
+    env = local.worker_env({})
+    warm_start.prestart([*STAND_IN, "spec.json"], env, once=True)
+    server = warm_start._waiting.proc
+    worker = warm_start.take([*STAND_IN, "spec.json"], [], env, tmp_path / "log")
+    assert worker is server and worker.wait(timeout=60) == 0
+    assert ran(tmp_path / "log") == (["spec.json"], server.pid) and warm_start._waiting is None
+
+
 @pytest.mark.parametrize("arg, code", [("exit3", 3), ("killed", -signal.SIGKILL)])
 def test_how_a_forked_point_ended_is_its_exit_code_as_a_subprocess_would_say(tmp_path, arg, code):
     env = local.worker_env({})
@@ -188,10 +199,11 @@ def forks(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("submitit", [False, True])
-def test_a_real_point_runs_in_a_fork_of_its_prestarted_worker(tmp_path, monkeypatch, forks, submitit):
+def test_a_real_point_runs_in_a_fork_of_its_prestarted_worker_or_in_it_in_a_job_of_one_point(tmp_path, monkeypatch, forks, submitit):
     """The job's own path: a server prestarted for the point, then launched: the worker that
     reports is a child forked from the process started ahead, and the run is ok. In a submitit job
-    (one point) the server is started with the point's spec path in its command, for `ps` to show."""
+    (one point) the process started ahead has the point's spec path in its command, for `ps` to
+    show, and runs the point itself."""
     from ablate.outcome import launch
 
     if submitit:
@@ -205,7 +217,10 @@ def test_a_real_point_runs_in_a_fork_of_its_prestarted_worker(tmp_path, monkeypa
     outcome = launch(spec, run_dir, [], Progress("warm", stream=open(os.devnull, "w")))
     assert outcome.status == "ok", outcome.reason
     (worker,) = filter(None, forks)
-    assert worker.server is server and started_pids(run_dir) == [worker.pid] != [server.proc.pid]
+    if submitit:
+        assert worker is server.proc and started_pids(run_dir) == [server.proc.pid]
+    else:
+        assert worker.server is server and started_pids(run_dir) == [worker.pid] != [server.proc.pid]
     assert 0 <= outcome.phases["startup"]  # from the launch: what was left of its imports
 
 
