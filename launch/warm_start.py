@@ -114,8 +114,9 @@ class Warm:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc.stdin.close()
-        with contextlib.suppress(OSError, AttributeError):  # closed already (discarded twice), or none
+        if self.lines is not None and self.lines.fd >= 0:  # once: the number may be another file's after
             os.close(self.lines.fd)
+            self.lines.fd = -1
 
     def retire(self) -> None:
         """No more points: it goes now if idle, else once its running point has ended (its stdin
