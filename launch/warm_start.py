@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-WAIT_FLAG = "--wait"  # after the worker's command, before the reply pipe's fd (or ONCE): serve points sent on stdin
+WAIT_FLAG = "--wait"  # after the worker's command, then the reply pipe's fd (or ONCE): serve points from stdin
 ONCE = "once"  # after WAIT_FLAG: run the one point sent, in this process (a job of one point)
 REPLY_S = 600.0  # the longest a launch waits for a server still importing before it starts its own
 

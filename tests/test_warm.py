@@ -4,6 +4,7 @@ in the run's worker.log, how it ended reported back; a launch it does not serve 
 process as before."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -19,8 +20,7 @@ from launch import local, warm_start
 from tests.helpers import FAST, ROOT, compose_spec, started_pids
 
 # A stand-in worker: prints while it "imports", then, in each point's child, the arguments it runs
-# with; `exitN` exits with N, `killed` dies of SIGKILL, `sleep` waits for its stdin (the server's
-# child reads /dev/null: it goes on at once) or sleeps while `hold` exists.
+# with and its pid; `exitN` exits with N, `killed` dies of SIGKILL, `hold=PATH` runs while PATH exists.
 STAND_IN = [sys.executable, "-c", """
 import os, signal, sys, time
 print('imported', flush=True)
@@ -47,7 +47,7 @@ def no_warm_worker_left():
 def ran(log) -> tuple[list[str], int]:
     """What a stand-in's point printed: its arguments and pid."""
     *args, pid = log.read_text().removeprefix("running ").split()
-    return eval(" ".join(args)), int(pid)  # the list as Python printed it
+    return ast.literal_eval(" ".join(args)), int(pid)  # the list as Python printed it
 
 
 def test_the_launch_runs_in_a_child_of_the_waiting_server_its_output_in_worker_log(tmp_path):
@@ -199,7 +199,8 @@ def forks(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("submitit", [False, True])
-def test_a_real_point_runs_in_a_fork_of_its_prestarted_worker_or_in_it_in_a_job_of_one_point(tmp_path, monkeypatch, forks, submitit):
+def test_a_real_point_runs_in_a_fork_of_its_prestarted_worker_or_in_it_in_a_job_of_one_point(
+        tmp_path, monkeypatch, forks, submitit):
     """The job's own path: a server prestarted for the point, then launched: the worker that
     reports is a child forked from the process started ahead, and the run is ok. In a submitit job
     (one point) the process started ahead has the point's spec path in its command, for `ps` to
