@@ -1,6 +1,8 @@
 """Turn a resolved config into built objects. The order of composition is written once, here."""
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -12,7 +14,29 @@ from ablate.groups import TECHNIQUE_GROUPS  # noqa: F401  (tests and the predict
 from ablate.keytypes import check_types
 from ablate.models import Family
 from ablate.spec import RunSpec
-from ablate.techniques import Invalid, Plan
+from ablate.techniques import Invalid, Option, Plan
+
+# Families built from a spec, by their node and attention: what a family caches (its transformers
+# config, meta model, samples and layouts) depends on those alone, and a job asks for it in every
+# point's check, prediction, step time and count, once more per probe of a batch or length search
+# (find_seq plans a point in a dozen): built once, read off the meta model once.
+_FAMILIES: OrderedDict[str, Family] = OrderedDict()
+FAMILIES_KEPT = 8  # a sweep over more models than this builds the oldest again
+
+
+def family_of(node: dict, attn_implementation: str) -> Family:
+    """The family `node` (the spec's model node) builds with `attn_implementation`, shared by
+    every point of this process that names the same."""
+    key = json.dumps([node, attn_implementation], sort_keys=True, default=str)
+    if key not in _FAMILIES:
+        family = instantiate(node)
+        family.attn_implementation = attn_implementation
+        _FAMILIES[key] = family
+        while len(_FAMILIES) > FAMILIES_KEPT:
+            _FAMILIES.popitem(last=False)
+    _FAMILIES.move_to_end(key)
+    return _FAMILIES[key]
+
 
 class Techniques:
     """The model family and one built option per technique group (ablate/groups.py), each an
@@ -27,11 +51,16 @@ class Techniques:
             option.family = model  # where its layers are, for an option that treats them apart (Muon)
             setattr(self, group, option)
         model.attn_implementation = self.attention.implementation  # the attention the family builds
+        self.nodes: dict[str, dict] | None = None  # group -> the option's node, where built from a spec
 
     @classmethod
     def of(cls, spec: RunSpec) -> "Techniques":
-        """Every option built anew from the spec's option nodes (options are stateful: a fresh set each time)."""
-        return cls(**{group: instantiate(spec.groups[group]) for group in ("model", *TECHNIQUE_GROUPS)})
+        """Every option built anew from the spec's option nodes (options are stateful: a fresh set
+        each time), and the model family of its node and attention, built once per process."""
+        options = {group: instantiate(spec.groups[group]) for group in TECHNIQUE_GROUPS}
+        t = cls(family_of(spec.groups["model"], options["attention"].implementation), **options)
+        t.nodes = {group: spec.groups[group] for group in TECHNIQUE_GROUPS}
+        return t
 
     def options(self) -> dict[str, Any]:
         """{group: its option}, technique groups in the order they are checked and built."""
@@ -134,11 +163,15 @@ def build_model(t: Techniques, device: torch.device, compile: bool = False) -> n
 
 
 def change_params(t: Techniques):
-    """model -> the model with every technique's change_params applied, in the build's order."""
+    """model -> the model with every technique's change_params applied, in the build's order. Its
+    `key` names the change for the family's layouts (Family.layout_with): the nodes of the options
+    that make it, where `t` was built from a spec; None (read anew each time) otherwise."""
     def change(model: nn.Module) -> nn.Module:
         for option in t.options().values():
             model = option.change_params(model, t.model.adapter)
         return model
+    changing = [g for g, o in t.options().items() if type(o).change_params is not Option.change_params]
+    change.key = None if t.nodes is None else json.dumps([t.nodes[g] for g in changing], sort_keys=True, default=str)
     return change
 
 

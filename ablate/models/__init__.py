@@ -187,8 +187,15 @@ class Family(Option, abc.ABC):
         as the build applies them: frozen, added or replaced parameters); `layout` without one."""
         if change is None:
             return self.layout
-        return ParamLayout.repeated(self, change) or ParamLayout.read(change(copy.deepcopy(self.meta_model)),
-                                                                      self.adapter)
+        key = getattr(change, "key", None)  # ablate.build.change_params names its change: read once
+        layouts = self.__dict__.setdefault("_changed", {})
+        if key is None or key not in layouts:
+            layout = ParamLayout.repeated(self, change) or ParamLayout.read(change(copy.deepcopy(self.meta_model)),
+                                                                            self.adapter)
+            if key is None:
+                return layout
+            layouts[key] = layout
+        return layouts[key]
 
     def param_groups(self, param_groups: Callable[[nn.Module], list[dict]],
                      change: Callable[[nn.Module], nn.Module] | None = None) -> list[list[str]]:

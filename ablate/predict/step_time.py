@@ -185,9 +185,29 @@ class Recompute:
         return Recompute(*(a * k for a in dataclasses.astuple(self)))
 
 
-# A model and its checkpoint and loss options -> what they recompute: the same for every batch
-# size, so a batch search asks once.
-_RECOMPUTED: dict[str, Recompute] = {}
+@dataclass(frozen=True)
+class _Applied:
+    """A copy of a model with copies of the point's loss, tiling and checkpoint options applied to
+    it as the build applies them: its matmul weights, and what each option runs again."""
+
+    weights: float  # the whole model's
+    layers: float  # the decoder layers'
+    head: float  # the LM head's
+    loss: float  # the loss option's recompute_fraction
+    checkpoint: float  # the checkpoint option's
+    tiling: object  # the tiling option, applied: its share run again depends on the sequence's length
+
+    def at(self, seq_len: int) -> Recompute:
+        """What the options run again over `seq_len` tokens. A tiled MLP's slices run their forward
+        once more whether the layer is recomputed or not."""
+        again = self.loss + self.checkpoint + self.tiling.recomputed(seq_len)
+        return Recompute(weights=self.weights, again=again * self.weights, layers=self.layers,
+                         layers_again=self.checkpoint * self.weights, head_again=self.loss * self.weights / self.head)
+
+
+# A model and its checkpoint, loss and tiling options -> the copies they were applied to: the same
+# for every batch size and sequence length, so a batch or length search applies them once.
+_APPLIED: dict[str, tuple[_Applied, _Applied | None, float]] = {}
 SAMPLE_LAYERS = 12  # the samples a deep model's recompute is read off: 12 and 24 layers
 
 
@@ -195,36 +215,32 @@ def _recomputed(spec, t) -> Recompute:
     """What the point's checkpoint and loss options run again, for the whole model. Applied to
     copies of meta-device models: the whole model up to 24 layers, else samples of 12 and 24 layers
     whose difference is what 12 more layers add."""
-    key = json.dumps([spec.groups[g] for g in ("model", "checkpoint", "loss", "tiling")] + [spec.seq_len],
-                     sort_keys=True, default=str)
-    if key not in _RECOMPUTED:
+    key = json.dumps([spec.groups[g] for g in ("model", "checkpoint", "loss", "tiling")], sort_keys=True, default=str)
+    if key not in _APPLIED:
         family, n = t.model, t.model.n_layers
         small = family.sample(SAMPLE_LAYERS) if n is not None and n > 2 * SAMPLE_LAYERS else None
         large = family.sample(2 * SAMPLE_LAYERS) if small is not None else None
         if large is not None:
-            first = _applied(t, small, spec.seq_len)
-            _RECOMPUTED[key] = first + (_applied(t, large, spec.seq_len) - first) * ((n - SAMPLE_LAYERS) / SAMPLE_LAYERS)
+            _APPLIED[key] = (_applied(t, small), _applied(t, large), (n - SAMPLE_LAYERS) / SAMPLE_LAYERS)
         else:
-            _RECOMPUTED[key] = _applied(t, family.meta_model, spec.seq_len)
-    return _RECOMPUTED[key]
+            _APPLIED[key] = (_applied(t, family.meta_model), None, 0.0)
+    first, second, more = _APPLIED[key]
+    if second is None:
+        return first.at(spec.seq_len)
+    return first.at(spec.seq_len) + (second.at(spec.seq_len) - first.at(spec.seq_len)) * more
 
 
-def _applied(t, model, seq_len: int) -> Recompute:
-    """What copies of the point's loss, tiling and checkpoint options, applied to a copy of `model`
-    as the build applies them (the loss attached first), run again over `seq_len` tokens. A tiled
-    MLP's slices run their forward once more whether the layer is recomputed or not."""
+def _applied(t, model) -> _Applied:
+    """Copies of the point's loss, tiling and checkpoint options applied to a copy of `model` as the
+    build applies them (the loss attached first)."""
     model, loss, checkpoint = copy.deepcopy(model), copy.copy(t.loss), copy.copy(t.checkpoint)
     tiling, adapter = copy.copy(t.tiling), t.model.adapter
     loss.attach(model, adapter)
     tiling.apply(model, adapter)
     checkpoint.apply(model, adapter)
-    weights = adapter.matmul_weights([model])
-    head = model.get_submodule(adapter.lm_head).weight.numel()
-    again = loss.recompute_fraction + checkpoint.recompute_fraction + tiling.recomputed(seq_len)
-    return Recompute(weights=weights, again=again * weights,
-                     layers=adapter.matmul_weights(adapter.layer_list(model)),
-                     layers_again=checkpoint.recompute_fraction * weights,
-                     head_again=loss.recompute_fraction * weights / head)
+    return _Applied(weights=adapter.matmul_weights([model]), layers=adapter.matmul_weights(adapter.layer_list(model)),
+                    head=model.get_submodule(adapter.lm_head).weight.numel(), loss=loss.recompute_fraction,
+                    checkpoint=checkpoint.recompute_fraction, tiling=tiling)
 
 
 def device_of(spec, seen: str | None) -> Device | None:
