@@ -92,11 +92,29 @@ def main(spec_path: str) -> int:
         return 1
 
 
+def prepare(args: list[str]) -> None:
+    """In a worker server, before it forks the process of the point `args` names: what that point's
+    model and options import on first use (transformers' modeling code, peft), so that the point's
+    process and every later one of the server start with them. Only for a point that trains on the
+    host: torchao, which both import, asks at import whether CUDA is available, which sets CUDA's
+    driver up in the server and would leave the children it forks without CUDA."""
+    from ablate.build import Techniques
+    from ablate.spec import RunSpec
+    from launch.nvml import visible_gpu_count
+
+    spec = RunSpec.of(json.loads(Path(args[0]).read_text())["config"])
+    if spec.device == "cuda" or (spec.device == "auto" and visible_gpu_count()):
+        return
+    t = Techniques.of(spec)
+    for option in (t.model, *t.options().values()):
+        option.imports()
+
+
 if __name__ == "__main__":
     # SIGUSR1 writes every thread's Python stack to the log: the job sends it before it kills a
     # worker past timeout_s, so the timeout row can say where the worker was (launch/local.py).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    args = warm_start.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
+    args = warm_start.arguments(sys.argv[1:], prepare)  # started warm: waits here, imported, for the go
     code = main(args[0]) if args else 0
     sys.stdout.flush()
     sys.stderr.flush()

@@ -38,10 +38,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 WAIT_FLAG = "--wait"  # after the worker's command, then the reply pipe's fd (or ONCE): serve points from stdin
 ONCE = "once"  # after WAIT_FLAG: run the one point sent, in this process (a job of one point)
 REPLY_S = 600.0  # the longest a launch waits for a server still importing before it starts its own
+# Variables torch's own imports set where they are unset (torch._dynamo sets its inductor cache
+# directory to the default): a server started before its launcher imported them has the same value
+# from its own imports, so a launch that differs from it only by gaining one is served.
+SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 class _Lines:
@@ -105,7 +110,9 @@ class Warm:
     busy: Forked | None = None  # its point still running: it serves the next once that one ends
 
     def serves(self, cmd: list[str], env: dict) -> bool:
-        return self.cmd == cmd and self.env == env and self.proc.poll() is None
+        gained = {k for k in SET_BY_IMPORTS if k in env and k not in self.env}
+        return (self.cmd == cmd and self.env == {k: v for k, v in env.items() if k not in gained}
+                and self.proc.poll() is None)
 
     def discard(self) -> None:
         """It goes, with whatever it started (its own session; a running point's child dies with
@@ -197,11 +204,14 @@ def drop() -> None:
 atexit.register(drop)
 
 
-def arguments(argv: list[str]) -> list[str] | None:
+def arguments(argv: list[str], prepare: Callable[[list[str]], None] | None = None) -> list[str] | None:
     """In the worker, once imported: its arguments. Started with `--wait FD`, it serves instead: for
     each go it forks, and returns in the child (its output sent to the point's log) with the go's
     arguments, replying on FD; the server itself returns None once its starter closes its stdin
-    or goes away. Started with `--wait once`, it returns the one go's arguments itself."""
+    or goes away. Started with `--wait once`, it returns the one go's arguments itself.
+    `prepare(arguments)`, called in the server before each fork, imports what that point needs
+    beyond the worker's own imports (its model family's library), so that the server's later
+    children have it already; it must not set CUDA up, and a failure there is the child's to meet."""
     if argv[-2:-1] != [WAIT_FLAG]:
         return argv
     mode, argv = argv[-1], argv[:-2]
@@ -215,6 +225,9 @@ def arguments(argv: list[str]) -> list[str] | None:
     server, replies = os.getpid(), int(mode)
     while line := sys.stdin.readline().strip():
         go = json.loads(line)
+        if prepare is not None:
+            with contextlib.suppress(Exception):  # the child meets it again, and reports it as its point's
+                prepare([*argv, *go["args"]])
         if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
             return None  # a child cannot use CUDA after this: the launch starts its own worker
         sys.stdout.flush()

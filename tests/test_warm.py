@@ -20,18 +20,25 @@ from launch import local, warm_start
 from tests.helpers import FAST, ROOT, compose_spec, started_pids
 
 # A stand-in worker: prints while it "imports", then, in each point's child, the arguments it runs
-# with and its pid; `exitN` exits with N, `killed` dies of SIGKILL, `hold=PATH` runs while PATH exists.
+# with and its pid; `exitN` exits with N, `killed` dies of SIGKILL, `hold=PATH` runs while PATH exists,
+# `prepared` prints whether the server imported the module its preparation imports.
 STAND_IN = [sys.executable, "-c", """
 import os, signal, sys, time
 print('imported', flush=True)
 from launch import warm_start
-args = warm_start.arguments(sys.argv[1:])
+def prepare(args):  # `fails` in a point's arguments: its preparation raises
+    if 'fails' in args:
+        raise RuntimeError('prepare failed')
+    import wave
+args = warm_start.arguments(sys.argv[1:], prepare)
 print('running', args, os.getpid(), flush=True)
 for arg in args or ():
     if arg.startswith('exit'):
         sys.exit(int(arg[4:]))
     if arg == 'killed':
         os.kill(os.getpid(), signal.SIGKILL)
+    if arg == 'prepared':
+        print('wave' in sys.modules, flush=True)
     if arg.startswith('hold='):
         while os.path.exists(arg[5:]):
             time.sleep(0.05)
@@ -164,6 +171,30 @@ def test_a_launch_it_does_not_serve_gets_a_fresh_process(tmp_path, change):
     assert not (tmp_path / "log").exists()
 
 
+def test_a_launch_whose_environment_gained_what_torchs_import_sets_is_served(tmp_path):
+    """torch._dynamo's import sets TORCHINDUCTOR_CACHE_DIR to its default where it is unset: a job
+    that imports it after its first prestart (transformers does) is served by that server, which
+    set the same default by its own imports."""
+    env = local.worker_env({})
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    warm_start.prestart(STAND_IN, env)
+    server = warm_start._waiting.proc
+    worker = warm_start.take(STAND_IN, ["spec.json"], {**env, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"},
+                             tmp_path / "log")
+    assert worker is not None and worker.wait(timeout=60) == 0 and worker.pid != server.pid
+    warm_start.prestart(STAND_IN, {**env, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"})
+    assert warm_start._waiting.proc is server
+
+
+def test_the_server_prepares_each_point_before_it_forks_and_a_failed_preparation_is_the_points(tmp_path):
+    env = local.worker_env({})
+    warm_start.prestart(STAND_IN, env)
+    for point, prepared in (("fails", "False"), ("prepared", "True")):
+        worker = warm_start.take(STAND_IN, [point, "prepared"], env, tmp_path / point)
+        assert worker.wait(timeout=60) == 0
+        assert (tmp_path / point).read_text().splitlines()[-1] == prepared
+
+
 def test_a_dropped_warm_worker_exits_without_running_and_leaves_no_log(tmp_path):
     """A worker no point takes (the sweep ends, an invalid or pruned point) writes nothing."""
     warm_start.prestart(STAND_IN, local.worker_env({}))
@@ -172,11 +203,21 @@ def test_a_dropped_warm_worker_exits_without_running_and_leaves_no_log(tmp_path)
     assert waiting.poll() is not None and not list(tmp_path.iterdir())
 
 
-def test_the_servers_imports_ask_nothing_of_cuda():
+def _spec_file(path: Path, overrides: list[str]) -> str:
+    path.write_text(json.dumps({"config": compose_spec(overrides).to_config()}))
+    return str(path)
+
+
+QLORA = ["model=llama3.2-1b", "model.config.num_hidden_layers=2", "peft=qlora"]
+
+
+def test_the_servers_imports_ask_nothing_of_cuda(tmp_path):
     """A child forked after CUDA's driver is set up cannot use CUDA: the worker's and torchrun's
-    imports (all a server runs before it forks) must not ask whether there is a GPU. Every call
-    that would set CUDA up raises here."""
-    code = ("import torch, torch.cuda\n"
+    imports, and the preparation of a point for a GPU (all a server runs before it forks; here a
+    Hugging Face model with QLoRA's adapters, whose libraries import torchao, which asks), must
+    not ask whether there is a GPU. Every call that would set CUDA up raises here."""
+    spec = _spec_file(tmp_path / "spec.json", [*QLORA, "device=cuda"])
+    code = ("import sys, torch, torch.cuda\n"
             "def refusal(name):\n"  # one function per name: dynamo's rules map each torch function once
             "    def refuse(*a, **k): raise AssertionError(f'torch.cuda.{name} called at import')\n"
             "    return refuse\n"
@@ -184,10 +225,20 @@ def test_the_servers_imports_ask_nothing_of_cuda():
             " 'get_device_capability', 'mem_get_info', 'set_device'):\n"
             "    setattr(torch.cuda, name, refusal(name))\n"
             "import ablate.worker, launch.torchrun\n"
+            f"ablate.worker.prepare([{spec!r}])\n"
             "print(torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "False"
+
+
+def test_a_point_on_the_host_is_prepared_with_its_models_and_adapters_libraries(tmp_path):
+    spec = _spec_file(tmp_path / "spec.json", [*QLORA, "device=cpu"])
+    code = (f"import sys, ablate.worker; ablate.worker.prepare([{spec!r}]); "
+            "print('peft' in sys.modules, 'transformers.models.llama.modeling_llama' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "True True"
 
 
 @pytest.fixture

@@ -176,6 +176,9 @@ class HFCausalLM(Family):
             raise Invalid(f"model.{key}={source}: no config.json there")
         return json.loads(path.read_text())
 
+    def imports(self) -> None:
+        _causal_lm_class(self.hf_config)  # transformers, its config and modeling modules for this model_type
+
     def check(self, plan: Plan) -> None:
         c = self.hf_config
         # Again on the built config: a family's own names for the sizes (HF GPT-2's n_layer) reach

@@ -65,6 +65,12 @@ class Option:
     def check(self, plan: Plan) -> None:
         """Raise Invalid with a reason naming the key if this option cannot run under `plan`."""
 
+    def imports(self) -> None:
+        """Import the libraries this option's build imports on first use (peft, transformers'
+        modeling code), nothing more: a worker server calls it before it forks the process of a
+        point that trains on the host (ablate/worker.py prepare), so that its later points start
+        with them."""
+
     def change_params(self, model, adapter):
         """Freeze, add or replace parameters of the bare model (`adapter`: where its parts are,
         ablate/models/). The build calls it once the weights are loaded, before any wrapper; the

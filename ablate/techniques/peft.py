@@ -85,6 +85,9 @@ class LoRA(Full):
     def trains(self, part: str) -> str:
         return "adapter" if self.targets in (part, "all") else "frozen"
 
+    def imports(self) -> None:
+        import peft  # noqa: F401  (with bitsandbytes and torchao: 3.6 s on 2 cores, after torch)
+
     def change_params(self, model, adapter):
         from peft import LoraConfig, inject_adapter_in_model
 
