@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import select
@@ -232,6 +233,10 @@ def arguments(argv: list[str], prepare: Callable[[list[str]], None] | None = Non
             return None  # a child cannot use CUDA after this: the launch starts its own worker
         sys.stdout.flush()
         sys.stderr.flush()
+        # What the server holds lives as long as it does: frozen, a child's collections never walk it
+        # (a full one over torch's and transformers' objects takes 0.5 s on 2 cores; the traced step
+        # collects before it starts) nor write to its pages.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             os.close(replies)

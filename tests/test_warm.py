@@ -21,7 +21,8 @@ from tests.helpers import FAST, ROOT, compose_spec, started_pids
 
 # A stand-in worker: prints while it "imports", then, in each point's child, the arguments it runs
 # with and its pid; `exitN` exits with N, `killed` dies of SIGKILL, `hold=PATH` runs while PATH exists,
-# `prepared` prints whether the server imported the module its preparation imports.
+# `prepared` prints whether the server imported the module its preparation imports, `frozen` whether
+# it starts with objects the collector leaves alone.
 STAND_IN = [sys.executable, "-c", """
 import os, signal, sys, time
 print('imported', flush=True)
@@ -39,6 +40,9 @@ for arg in args or ():
         os.kill(os.getpid(), signal.SIGKILL)
     if arg == 'prepared':
         print('wave' in sys.modules, flush=True)
+    if arg == 'frozen':
+        import gc
+        print(gc.get_freeze_count() > 0, flush=True)
     if arg.startswith('hold='):
         while os.path.exists(arg[5:]):
             time.sleep(0.05)
@@ -187,12 +191,13 @@ def test_a_launch_whose_environment_gained_what_torchs_import_sets_is_served(tmp
 
 
 def test_the_server_prepares_each_point_before_it_forks_and_a_failed_preparation_is_the_points(tmp_path):
+    """Its later points inherit what it imported for one, frozen: their collections skip it."""
     env = local.worker_env({})
     warm_start.prestart(STAND_IN, env)
     for point, prepared in (("fails", "False"), ("prepared", "True")):
-        worker = warm_start.take(STAND_IN, [point, "prepared"], env, tmp_path / point)
+        worker = warm_start.take(STAND_IN, [point, "prepared", "frozen"], env, tmp_path / point)
         assert worker.wait(timeout=60) == 0
-        assert (tmp_path / point).read_text().splitlines()[-1] == prepared
+        assert (tmp_path / point).read_text().splitlines()[-2:] == [prepared, "True"]
 
 
 def test_a_dropped_warm_worker_exits_without_running_and_leaves_no_log(tmp_path):
