@@ -95,17 +95,16 @@ def main(spec_path: str) -> int:
 def prepare(args: list[str]) -> None:
     """In a worker server, before it forks the process of the point `args` names: what that point's
     model and options import on first use (transformers' modeling code, peft), so that the point's
-    process and every later one of the server start with them. Only for a point that trains on the
-    host: torchao, which both import, asks at import whether CUDA is available, which sets CUDA's
-    driver up in the server and would leave the children it forks without CUDA."""
+    process and every later one of the server start with them. Only on a host with no GPU in sight:
+    torchao, which both import, asks at import whether CUDA is available, which sets CUDA's driver up
+    in the server, and a GPU point it forked after that (even after a CPU point) could not use it."""
     from ablate.build import Techniques
     from ablate.spec import RunSpec
     from launch.nvml import visible_gpu_count
 
-    spec = RunSpec.of(json.loads(Path(args[0]).read_text())["config"])
-    if spec.device == "cuda" or (spec.device == "auto" and visible_gpu_count()):
+    if visible_gpu_count():
         return
-    t = Techniques.of(spec)
+    t = Techniques.of(RunSpec.of(json.loads(Path(args[0]).read_text())["config"]))
     for option in (t.model, *t.options().values()):
         option.imports()
 

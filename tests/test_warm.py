@@ -218,9 +218,9 @@ QLORA = ["model=llama3.2-1b", "model.config.num_hidden_layers=2", "peft=qlora"]
 
 def test_the_servers_imports_ask_nothing_of_cuda(tmp_path):
     """A child forked after CUDA's driver is set up cannot use CUDA: the worker's and torchrun's
-    imports, and the preparation of a point for a GPU (all a server runs before it forks; here a
-    Hugging Face model with QLoRA's adapters, whose libraries import torchao, which asks), must
-    not ask whether there is a GPU. Every call that would set CUDA up raises here."""
+    imports, and a point's preparation on a host with a GPU (all a server runs before it forks;
+    here a Hugging Face model with QLoRA's adapters, whose libraries import torchao, which asks),
+    must not ask whether there is a GPU. Every call that would set CUDA up raises here."""
     spec = _spec_file(tmp_path / "spec.json", [*QLORA, "device=cuda"])
     code = ("import sys, torch, torch.cuda\n"
             "def refusal(name):\n"  # one function per name: dynamo's rules map each torch function once
@@ -229,7 +229,8 @@ def test_the_servers_imports_ask_nothing_of_cuda(tmp_path):
             "for name in ('is_available', 'device_count', 'init', '_lazy_init', 'current_device', 'get_device_properties',"
             " 'get_device_capability', 'mem_get_info', 'set_device'):\n"
             "    setattr(torch.cuda, name, refusal(name))\n"
-            "import ablate.worker, launch.torchrun\n"
+            "import ablate.worker, launch.torchrun, launch.nvml\n"
+            "launch.nvml.visible_gpu_count = lambda: 1\n"  # the GPU host's NVML, read without CUDA
             f"ablate.worker.prepare([{spec!r}])\n"
             "print(torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -237,7 +238,7 @@ def test_the_servers_imports_ask_nothing_of_cuda(tmp_path):
     assert out.stdout.strip() == "False"
 
 
-def test_a_point_on_the_host_is_prepared_with_its_models_and_adapters_libraries(tmp_path):
+def test_a_point_on_a_host_without_a_gpu_is_prepared_with_its_models_and_adapters_libraries(tmp_path):
     spec = _spec_file(tmp_path / "spec.json", [*QLORA, "device=cpu"])
     code = (f"import sys, ablate.worker; ablate.worker.prepare([{spec!r}]); "
             "print('peft' in sys.modules, 'transformers.models.llama.modeling_llama' in sys.modules)")

@@ -67,9 +67,8 @@ class Option:
 
     def imports(self) -> None:
         """Import the libraries this option's build imports on first use (peft, transformers'
-        modeling code), nothing more: a worker server calls it before it forks the process of a
-        point that trains on the host (ablate/worker.py prepare), so that its later points start
-        with them."""
+        modeling code), nothing more: a worker server on a host without a GPU calls it before it
+        forks a point's process (ablate/worker.py prepare), so that its later points start with them."""
 
     def change_params(self, model, adapter):
         """Freeze, add or replace parameters of the bare model (`adapter`: where its parts are,
