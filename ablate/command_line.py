@@ -197,7 +197,10 @@ def _unscalable(overrides: list) -> list[str]:
             continue
         sets = option_defaults(o.key_or_group, str(o.value())).get("model") or {}
         for model in (c for c in _chosen("model", overrides) if c in options("model")) if sets else ():
-            lacking = [k for k in sets if k not in option_takes("model", model)]
+            # The option's own file first: its class (and torch with it) is imported only where that
+            # leaves a key out, so that a preset's command line leaves torch to the prestarted worker.
+            lacking = [k for k in sets if k not in option_keys("model", model)]
+            lacking = [k for k in lacking if k not in option_takes("model", model)] if lacking else []
             if lacking:
                 errors.append(f"{o.key_or_group}={o.value()} sets " + ", ".join(f"model.{k}" for k in lacking)
                               + f", which model={model} does not take: it scales ablate's GPT-2 (model=gpt-nano ... "

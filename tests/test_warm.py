@@ -323,9 +323,12 @@ def test_a_sweeps_points_run_in_forks_of_the_server_started_after_the_first_ones
 
 
 def test_the_command_line_and_the_job_leave_torch_to_the_worker():
-    """Nothing before the prestart imports torch: not the key check, not the job module (else its
-    2 s on 2 cores would sit in front of the worker's start instead of beside it)."""
-    code = ("import sys; from ablate.command_line import unknown_key; assert unknown_key(['batch_size=2']) is None; "
+    """Nothing before the prestart imports torch: not the key check (of a preset's command line
+    either, whose overlays set model keys), not the job module (else its 2 s on 2 cores would sit
+    in front of the worker's start instead of beside it)."""
+    code = ("import sys; from ablate.command_line import unknown_key\n"
+            "for argv in (['batch_size=2'], ['experiment=demo'], ['scale=cpu', 'model=gpt2-xl']):\n"
+            "    assert unknown_key(argv) is None, argv\n"
             "import ablate.job, ablate.__main__; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
