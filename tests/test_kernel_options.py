@@ -235,17 +235,21 @@ def test_liger_and_cce_losses_follow_the_standard_one_on_cuda(cuda, precision):
 
 
 @pytest.mark.gpu
-def test_cce_keeps_the_standard_losses_unless_its_gradients_are_filtered(cuda):
+def test_cce_follows_the_standard_losses_and_falls_behind_them_when_filtered(cuda):
     """From a random start every softmax is about 1 / vocab (3e-5 here), under bf16's filter
-    threshold (2.4e-4): `auto` keeps only each target's gradient, and the losses fall more slowly."""
+    threshold (2.4e-4): `auto` keeps only each target's gradient, and the losses fall far more
+    slowly. Unfiltered, they trail the standard loss's a little: the package's backward sums d
+    hidden and the head's gradient across its tiles in the hidden states' bf16, where the standard
+    loss's matmuls sum in fp32 (2.4% behind after six steps on an H200, 13.3% when filtered)."""
     base = [*(o for o in BIG_VOCAB if not o.startswith(("batch_size=", "seq_len="))), "precision=bf16_pure"]
     steps = dict(steps=6, batch_size=8, seq_len=1024)
     standard = train_nano([*base, "loss=standard"], device="cuda", **steps)[0]
     exact = train_nano([*base, "loss=cce"], device="cuda", **steps)[0]
     filtered = train_nano([*base, "loss=cce", "loss.filter_eps=auto"], device="cuda", **steps)[0]
     print("standard", standard, "\ncce", exact, "\ncce, filtered", filtered)
-    assert exact == pytest.approx(standard, rel=1e-2)
-    assert filtered[-1] > standard[-1] * 1.02
+    assert exact[0] == pytest.approx(standard[0], rel=1e-4)  # the forward is exact
+    assert exact == pytest.approx(standard, rel=5e-2)
+    assert filtered[-1] - standard[-1] > 3 * (exact[-1] - standard[-1])
 
 
 @pytest.mark.gpu

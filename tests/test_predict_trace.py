@@ -2,6 +2,7 @@
 traced step byte for byte; options it cannot follow raise Untraceable; it leaves nothing behind."""
 from __future__ import annotations
 
+import gc
 import resource
 
 import pytest
@@ -150,6 +151,9 @@ def test_a_cuda_trace_without_a_visible_gpu_is_untraceable_not_wrong(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a visible GPU")
 def test_a_cuda_trace_allocates_nothing_and_counts_fp32_params_exactly():
+    # The trace collects garbage before it starts: tensors an earlier test left in cycles would
+    # be freed inside it and read as the trace freeing memory.
+    gc.collect()
     before = torch.cuda.memory_allocated()
     p = trace(compose_spec(["model=gpt-nano", "batch_size=4", "seq_len=32", "device=cuda"]))
     # On CUDA MemTracker counts each tensor as the caching allocator stores it: rounded up to

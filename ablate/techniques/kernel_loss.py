@@ -78,7 +78,9 @@ class CutCrossEntropy(Chunked):
     package's default, the compute dtype's resolution / 32 (bf16: 2.4e-4). Off here (None), so
     that the loss is the other loss options' and a row's loss and time compare with theirs: from
     a random start every softmax is about 1 / vocab, below that threshold, so `auto` drops all
-    but the target's gradient and skips most of the backward's matmuls."""
+    but the target's gradient and skips most of the backward's matmuls. Even unfiltered the loss
+    is not quite the others': the package sums d hidden and the head's gradient across its tiles
+    in the 16-bit compute dtype (docs/techniques.md has the measured gap)."""
 
     label = "Cut cross-entropy"
     IMPLS = ("cce", "torch_compile")
