@@ -32,6 +32,7 @@ from ablate.job import git_sha  # noqa: E402  (needs ROOT on the path)
 from ablate.predict.analytic import analytic, sized  # noqa: E402
 from ablate.predict.step_time import device_of, parts, seconds, work_of  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
+from ablate.techniques import Unmodelled  # noqa: E402
 from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
 from analysis.load import LEGACY, flat  # noqa: E402
 
@@ -128,6 +129,10 @@ def preset_of(runs_csv: Path, df: pd.DataFrame) -> str | None:
     return named[0] if len(named) == 1 else None
 
 
+def _error(predicted: float, measured: float) -> str:
+    return f"{100 * (predicted / measured - 1):+.1f}%" if _set(predicted) else "n/a"
+
+
 def repredict(runs_csv: Path) -> pd.DataFrame:
     """The page's table for one runs.csv, with the kind of each row whose predicted time misses."""
     df = pd.read_csv(runs_csv)
@@ -139,15 +144,23 @@ def repredict(runs_csv: Path) -> pd.DataFrame:
             line = overrides(preset, row)
             cfg = OmegaConf.to_container(compose(config_name="config", overrides=line), resolve=True, enum_to_str=True)
             spec = RunSpec.of(cfg)
-            now = analytic(spec).peak_mib
             measured, then = row["peak_allocated_mib"], row["predicted_peak_mib"]
+            try:
+                now = analytic(spec).peak_mib
+            except Unmodelled as e:  # an option the layer model does not follow (its run said so too)
+                rows.append({"Setting": " ".join(line[1:] if preset else line), "Measured (MiB)": measured,
+                             "Recorded prediction (MiB)": then, "Recorded error": _error(then, measured),
+                             "Prediction now (MiB)": None, "Error now": f"unmodelled: {str(e).split(':')[0]}",
+                             "Measured (ms)": row["iter_time_ms"], "Predicted (ms)": None, "Time error": "n/a",
+                             MISS: None})
+                continue
             # The time on the GPU the run names (as the worker would see it), from the same sizes.
             dev, work = device_of(spec, row.get("env_gpu_name")), work_of(spec)
             predicted_s = seconds(work, dev) if dev else None
             ms = row["iter_time_ms"]
             error = predicted_s * 1e3 / ms - 1 if predicted_s and _set(ms) else None
             rows.append({"Setting": " ".join(line[1:] if preset else line), "Measured (MiB)": measured,
-                         "Recorded prediction (MiB)": then, "Recorded error": f"{100 * (then / measured - 1):+.1f}%",
+                         "Recorded prediction (MiB)": then, "Recorded error": _error(then, measured),
                          "Prediction now (MiB)": now, "Error now": f"{100 * (now / measured - 1):+.1f}%",
                          "Measured (ms)": ms, "Predicted (ms)": predicted_s * 1e3 if predicted_s else None,
                          "Time error": f"{100 * error:+.1f}%" if error is not None else "n/a",

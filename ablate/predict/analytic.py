@@ -29,6 +29,7 @@ import math
 from ablate.build import Techniques
 from ablate.predict import Prediction
 from ablate.predict.adapters import FULL, Training, recompute_grads, unfed
+from ablate.predict.allocator import slack_bytes
 from ablate.predict.attention import Attention, attention_temps, eager_mask
 from ablate.predict.experts import expert_moments
 from ablate.predict.layers import attention_saves, forward_temp, inner_temp, layer_saves, mlp_saves
@@ -239,6 +240,14 @@ def _asked(t: Techniques) -> None:
             raise Unmodelled(f"no analytic memory model for group {group} (option {type(option).__name__})")
 
 
+def _default_segments(alloc_conf: str | None) -> bool:
+    """Whether PYTORCH_CUDA_ALLOC_CONF leaves the allocator's segments and splitting as they are by
+    default (expandable segments grow in place; a split or rounding setting changes the blocks)."""
+    settings = dict(kv.split(":", 1) for kv in (alloc_conf or "").replace(" ", "").split(",") if ":" in kv)
+    changed = ("max_split_size_mb", "roundup_power2_divisions")
+    return settings.get("expandable_segments", "False").lower() != "true" and not any(k in settings for k in changed)
+
+
 def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
     """A point's options, shapes and one rank's sizes, as the step is played (the step-time model,
     ablate/predict/step_time.py, reads the same)."""
@@ -255,6 +264,12 @@ def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
     # head's rows, which model.pad_vocab_to=64 aligns already
     sizes.pad_head = sizes.compiled and shapes.padded_vocab % (8 if sizes.compute_bytes == 2 else 4) != 0
     sizes.op_temps = device == "cuda"
+    if device == "cuda" and not _fsdp(t) and not shapes.packed and _default_segments(spec.alloc_conf):
+        # The blocks the allocator holds the parameters in, made one after another at the build
+        # (ablate/predict/allocator.py): gpt2-xl's in bf16 take 67.8 MiB beyond their bytes. Not
+        # for FSDP's shards, nor a 4-bit weight, quantised through temporaries.
+        param_bytes = BYTES[t.precision.param_dtype]
+        sizes.other += slack_bytes([numel * param_bytes for numel in shapes.param_numels.values()])
     if sizes.op_temps and shapes.packed:  # a 4-bit weight dequantised for each matmul, inside the op
         widest = max(math.prod(shapes.param_shapes[n]) * 2 for n in shapes.packed)  # two weights a byte
         sizes.forward_temp += widest * sizes.compute_bytes
