@@ -19,16 +19,10 @@ TOLERANCE = 0.02
 # Records with a run the model is known to miss by more, each with its bound and why (the pages say
 # more). Kept strict: once the model comes within 2% there, the entry must go.
 KNOWN = {
-    # 8-bit and 4-bit AdamW in backward, gpt2-xl on 8 GiB under block recompute, -2.5% (174 MiB)
-    # and -2.1% (123 MiB): measured before the chunked loss let each slice's logits go before the
-    # next slice's were made (ablate/techniques/loss.py _slice_loss): then 10 instead of 8 bytes
-    # per slice logit were alive, 98 MiB at this size. The other 76 and 25 MiB are not explained.
-    # To be measured again.
-    "NVIDIA-H200/gpt2_xl_8gib": 0.03,
-    "NVIDIA-H200/gpt2_xl_8gib_session3": 0.025,
     # gpt2 at micro-batch 64 x 1024, bf16 autocast, loss=fused, compile=true, -4.3% (1,212 MiB):
-    # measured before the same mend, which is 785 MiB at this size (2 bytes per logit of one
-    # slice of 8,192 tokens x 50,257). The other 427 MiB: no snapshot came back. To be measured again.
+    # measured before the fused loss let each slice's logits go before the next slice's were made
+    # (ablate/techniques/loss.py _slice_loss), which is 785 MiB at this size (2 bytes per logit of
+    # one slice of 8,192 tokens x 50,257). The other 427 MiB: no snapshot came back. To be measured again.
     "NVIDIA-H100-80GB-HBM3/gpt2_throughput": 0.044,
 }
 
@@ -41,6 +35,9 @@ def _name(runs_csv) -> str:
 def test_every_recorded_gpu_run_is_predicted_within_2_percent(runs_csv):
     table = repredict.repredict(runs_csv)
     assert len(table) > 0
+    # A row the layer model does not follow now was not predicted when it ran either
+    unmodelled = table[table["Prediction now (MiB)"].isna()]
+    assert unmodelled["Recorded prediction (MiB)"].isna().all(), unmodelled["Setting"].tolist()
     errors = (table["Prediction now (MiB)"] / table["Measured (MiB)"] - 1).abs()
     bound = KNOWN.get(_name(runs_csv), TOLERANCE)
     assert errors.max() <= bound, table.loc[errors.idxmax()].to_dict()
