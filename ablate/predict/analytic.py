@@ -138,11 +138,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if a.experts:
         sizes.inner_temp_adding = inner_temp(a, sb, c, r, _grad_bytes(t), tr, adding=True)
         sizes.expert_moments = expert_moments(a, sb, r, _grad_bytes(t))
-    # GELU's output outlives c_proj's backward in an FSDP unit (MemTracker on a traced rank; why is
-    # not known). A recomputed MLP's GELU output is counted already: among the recomputed
-    # activations, which live until the layer's backward ends.
-    if _fsdp(t) and a.kind == "gpt2" and tr == FULL and not t.checkpoint.recompute_with_mlp:
-        sizes.inner_temp += sb * a.inter * c
+    if _fsdp(t) and a.kind == "gpt2" and tr == FULL:  # GELU's output outlives c_proj's backward in an FSDP
+        sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
     sizes.out_proj_input_grad = 0.0 if a.experts else sb * a.inter * c
     sizes.forward_temp = forward_temp(a, sb, r, c, tr)
     sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
