@@ -40,6 +40,7 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
         **{k: largest([r["peaks"][k] for r in ranks]) for k in run.peaks},  # OOM hits the worst rank
         "host_peak_rss_mib": largest([r["host_peak_rss_mib"] for r in ranks]),
         "init_peak_allocated_mib": largest([r["init_peak_mib"] for r in ranks]),
+        "peak_allocated_by_phase_mib": _phase_peaks(ranks),
         "breakdown_mib": run.breakdown,
         **measure.percentiles(run.times_ms),
         "train_latency_s": seconds,
@@ -68,6 +69,12 @@ def metrics(spec: RunSpec, t: Techniques, run: Trained, ranks: list[dict], eval_
                       "peak_reserved_mib": r["peaks"]["peak_reserved_mib"], "nvml_peak_mib": None}
                      for i, r in enumerate(ranks)] if world > 1 else None,
     }
+
+
+def _phase_peaks(ranks: list[dict]) -> dict | None:
+    """Each phase's allocator peak, the worst rank's; None where no rank measured one (a CPU)."""
+    known = [r["phase_peaks"] for r in ranks if r.get("phase_peaks")]
+    return {k: largest([p.get(k) for p in known]) for k in known[0]} if known else None
 
 
 def _counts(t: Techniques, ranks: list[dict]) -> dict:

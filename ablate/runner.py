@@ -45,6 +45,9 @@ class Trained:
     warmup: int = 0  # of the steps in `losses`, the first `warmup` are warm-up steps
     loss_scale: float | None = None  # the GradScaler's scale after the last step (fp16); None without one
     params: tuple[int, int] | None = None  # (elements, trainable elements) of the parameters this rank holds, as built
+    # The allocator's peak allocated MiB in each phase: the warm-up steps before the traced one, the
+    # traced step (its tracer included), the timed steps. None where not measured (a CPU).
+    phase_peaks: dict | None = None
 
     @property
     def diverged_at(self) -> int | None:
@@ -96,13 +99,14 @@ def rank_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
 
 def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, device: torch.device,
                      mem: measure.DeviceMemory, history: artifacts.AllocatorHistory | None,
-                     out: Path | None) -> tuple[dict | None, float | None, dict, bool]:
+                     out: Path | None) -> tuple[dict | None, float | None, dict, bool, float | None]:
     """The last warm-up step (untimed) is the one looked into: traced by MemTracker for the
     breakdown and memory_by_module.csv where the parallel option allows it, and on CUDA recorded
     by the allocator for memory_snapshot.pickle (unless `history` is None: a compiled step before
     it was recorded). The files go to `out` (rank 0's run directory; None: nowhere). Returns
     (breakdown, traced peak MiB, the allocator's peaks before the step, whether the traced step ran
-    out of memory); breakdown and peak are None where the step was not traced or ran out (below)."""
+    out of memory, the allocator's peak MiB over the traced step); breakdown and peak are None where
+    the step was not traced or ran out (below), the last where it was not traced."""
     record = history is not None
     if record:
         history.start()  # this step alone: recording slows every allocation down
@@ -110,10 +114,11 @@ def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, dev
         step()
         if record:
             history.stop(out)
-        return None, None, {}, False
+        return None, None, {}, False, None  # a training step: its peaks go on into the timed steps'
     # The allocator's peaks leave the traced step out: they measure training, not the tracer's
     # dispatch mode. Earlier warm-up steps count (the first allocates the optimizer state).
     warm_peaks = mem.peaks()
+    mem.reset()  # the traced step's own peak: does tracing a step change what it allocates?
     try:
         trace = measure.traced_step(step, model, optimizer, device)
     except torch.OutOfMemoryError:
@@ -128,12 +133,13 @@ def last_warmup_step(step, model: torch.nn.Module, optimizer, t: Techniques, dev
             artifacts.dump_oom_snapshot(out)
     if record:
         history.stop(out)  # memory_snapshot.pickle (after an OOM: the traced step up to it)
+    traced_alloc = mem.peak_allocated_mib()
     mem.reset()
     if trace is None:
-        return None, None, warm_peaks, True
+        return None, None, warm_peaks, True, traced_alloc
     if out is not None:
         artifacts.write_module_csv(artifacts.module_rows(trace, model), out)
-    return trace.at_peak, trace.peak_mib, warm_peaks, False
+    return trace.at_peak, trace.peak_mib, warm_peaks, False, traced_alloc
 
 
 def snapshot_compiled_step(spec: RunSpec) -> int | None:
@@ -206,10 +212,10 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
             first_step_s = measure.seconds_since(start, device)
         if compiled == k:
             history.stop(out)
-    breakdown, traced_peak, warm_peaks, trace_oom = None, None, {}, False
+    breakdown, traced_peak, warm_peaks, trace_oom, traced_alloc = None, None, {}, False, None
     if warmup >= 1:
         events.emit("phase", phase="trace")
-        breakdown, traced_peak, warm_peaks, trace_oom = last_warmup_step(
+        breakdown, traced_peak, warm_peaks, trace_oom, traced_alloc = last_warmup_step(
             lambda: losses.append(step(warmup - 1)), model, optimizer, t, device, mem,
             None if compiled is not None else history, out)
     events.emit("phase", phase="measure")
@@ -223,7 +229,10 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
             events.emit("progress", step=k - warmup + 1, steps=steps, loss=losses[-1].item(),
                         elapsed_s=now - start)
             last_report = now
-    peaks = {k: largest([v, warm_peaks.get(k)]) for k, v in mem.peaks().items()}
+    timed = mem.peaks()
+    peaks = {k: largest([v, warm_peaks.get(k)]) for k, v in timed.items()}
+    phase_peaks = {"warmup": warm_peaks.get("peak_allocated_mib"), "traced": traced_alloc,
+                   "timed": timed["peak_allocated_mib"]}
     if peaks["peak_allocated_mib"] is None:  # no allocator stats on CPU: the traced tensor peak stands in
         peaks["peak_allocated_mib"] = traced_peak
     taken = optimizer_steps.count
@@ -232,7 +241,8 @@ def train(spec: RunSpec, t: Techniques, data: TokenData, device: torch.device, e
                           compile_s=first_step_s if spec.compile else None,
                           skipped_steps=warmup + steps - taken if taken is not None else None,
                           traced_step_oom=trace_oom, warmup=warmup,
-                          loss_scale=scaler.get_scale() if scaler.is_enabled() else None, params=params)
+                          loss_scale=scaler.get_scale() if scaler.is_enabled() else None, params=params,
+                          phase_peaks=phase_peaks if any(v is not None for v in phase_peaks.values()) else None)
 
 
 def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict | None:
@@ -256,7 +266,7 @@ def run(job: dict, events: EventWriter, before_first_step=lambda: None) -> dict 
     events.emit("phase", phase="report")  # gathering every rank's figures, tearing down
     mine = {"peaks": trained.peaks, "times_ms": trained.times_ms, "init_peak_mib": trained.init_peak_mib,
             "host_peak_rss_mib": measure.host_peak_rss_mib(), "host": socket.gethostname(),
-            "params": trained.params}
+            "params": trained.params, "phase_peaks": trained.phase_peaks}
     ranks = all_ranks(mine)
     # Only on success: a failing rank exits at once (the worker reports and leaves), and torchrun
     # then stops the others; waiting for them in a barrier here would hang the group.

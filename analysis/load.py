@@ -49,6 +49,8 @@ def _row(result: dict, path: Path) -> dict:
     for prefix, parts in (("breakdown", metrics.get("breakdown_mib")),
                           ("predicted_breakdown", prediction.get("breakdown_mib"))):
         row.update({f"{prefix}_{k}_mib": v for k, v in (parts or {}).items()})
+    # where in the step the allocator peaked: peak_allocated_warmup_mib, _traced_mib, _timed_mib
+    row.update({f"peak_allocated_{k}_mib": v for k, v in (metrics.get("peak_allocated_by_phase_mib") or {}).items()})
     row.update({f"env_{k}": v for k, v in (result.get("env") or {}).items()})
     row["finished_at"] = (result.get("timing") or {}).get("finished_at")
     row["reused_from"] = result.get("reused_from")  # a skipped point's copy of a result measured elsewhere

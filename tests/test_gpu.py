@@ -30,6 +30,9 @@ def test_gpu_point_measures_allocator_nvml_and_mfu(tmp_path):
     assert 0 < m["peak_allocated_mib"] <= m["peak_active_mib"] <= m["peak_reserved_mib"]
     assert m["nvml_peak_mib"] is None or m["nvml_peak_mib"] >= m["peak_reserved_mib"]
     assert m["init_peak_allocated_mib"] > 0 and r["env"]["gpu_name"]
+    # the row's peak is training's, warm-up and timed steps; the traced step's is kept apart
+    phases = m["peak_allocated_by_phase_mib"]
+    assert max(phases["warmup"], phases["timed"]) == m["peak_allocated_mib"] and phases["traced"] > 0
     # gpt2 fp32 params: 124,439,808 x 4 bytes
     assert m["breakdown_mib"]["params"] == pytest.approx(124_439_808 * 4 / 2**20, rel=1e-3)
     if m["mfu"] is not None:

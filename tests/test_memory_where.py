@@ -313,8 +313,62 @@ def test_an_option_memtracker_cannot_follow_leaves_its_step_untraced(tmp_path, m
                                   torch.device("cpu")))
 
     device = torch.device("cpu")
-    breakdown, peak, _, oom = runner.last_warmup_step(step, model, optimizer, t, device,
+    breakdown, peak, _, oom, _ = runner.last_warmup_step(step, model, optimizer, t, device,
                                                       measure.DeviceMemory(device), None, tmp_path)
     assert len(stepped) == 1 and not oom
     assert (breakdown is not None, peak is not None) == (traceable, traceable)
     assert (tmp_path / "memory_by_module.csv").exists() == traceable
+
+
+def test_the_allocators_peak_is_kept_per_phase_and_the_traced_steps_left_out_of_the_rows(tmp_path, monkeypatch):
+    """On a GPU the allocator's peak counter says where a step peaked: the warm-up steps before the
+    traced one, the traced step (its tracer's allocations too), the timed steps. A CPU has no such
+    counter; here a stand-in's peaks are what each step says it allocated."""
+    from ablate import runner
+    from ablate.build import check_config
+    from ablate.events import EventWriter
+    from helpers import FAST, compose_spec
+
+    class Counter:  # measure.DeviceMemory's peaks, set by the steps below
+        peak = 0.0
+
+        def __init__(self, device):
+            pass
+
+        def reset(self):
+            Counter.peak = 0.0
+
+        def peak_allocated_mib(self):
+            return Counter.peak
+
+        def peaks(self):
+            return {"peak_allocated_mib": Counter.peak, "peak_reserved_mib": None, "peak_active_mib": None}
+
+    allocated = {0: 50.0, 1: 40.0, 2: 20.0, 3: 25.0, 4: 15.0}  # per step: warm-up, traced, three timed
+    real_trainer = runner.trainer
+
+    def trainer(*args, **kwargs):
+        model, optimizer, step = real_trainer(*args, **kwargs)
+
+        def counted(k):
+            Counter.peak = max(Counter.peak, allocated[k])
+            return step(k)
+        return model, optimizer, counted
+
+    monkeypatch.setattr(measure, "DeviceMemory", Counter)
+    monkeypatch.setattr(runner, "trainer", trainer)
+    spec = compose_spec([*FAST, "warmup_steps=2", "steps=3"])
+    t = check_config(spec, "cpu")
+    data = Synthetic(vocab_size=128, train_samples=64).load(16)
+    _, run = runner.train(spec, t, data, torch.device("cpu"), EventWriter(tmp_path), run_dir=tmp_path)
+    assert run.phase_peaks == {"warmup": 50.0, "traced": 40.0, "timed": 25.0}
+    assert run.peaks["peak_allocated_mib"] == 50.0  # warm-up and timed steps; the tracer's step is not training's
+    ranks = [{"peaks": run.peaks, "times_ms": run.times_ms, "host_peak_rss_mib": None, "init_peak_mib": None,
+              "host": h, "phase_peaks": p} for h, p in (("a", run.phase_peaks), ("b", {**run.phase_peaks, "timed": 30.0}))]
+    m = runner.metrics(spec, t, run, ranks, None, None, None)
+    assert m["peak_allocated_by_phase_mib"] == {"warmup": 50.0, "traced": 40.0, "timed": 30.0}  # the worst rank's
+    row = results.make("r", "ok", None, {}, spec.to_config(), [], metrics=m)
+    results.write_json(tmp_path / "result.json", row)
+    loaded = load([tmp_path]).iloc[0]
+    assert (loaded["peak_allocated_warmup_mib"], loaded["peak_allocated_traced_mib"],
+            loaded["peak_allocated_timed_mib"]) == (50.0, 40.0, 30.0)
