@@ -38,7 +38,8 @@ UNMEASURED = "not measured:"
 
 METRIC_KEYS = (
     "peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
-    "init_peak_allocated_mib", "peak_allocated_by_phase_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
+    "init_peak_allocated_mib", "peak_allocated_by_phase_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10",
+    "iter_time_ms_p90",
     "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
     "gpu_util_pct_std", "compile_s", "skipped_steps", "traced_step_oom", "diverged_at_step", "loss_scale", "loss_first", "loss_final", "eval_loss", "loss_floor",
     "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch", "max_seq_len",
@@ -129,8 +130,9 @@ SECTIONS = {"run_id": str, "status": str, "choices": dict, "config": dict, "over
             "metrics": dict, "prediction": dict, "env": dict, "timing": dict}
 WHOLE_KEYS = ("batch_size",)  # config keys every report table counts by: whole numbers >= 1
 _NUMBER = (int, float)
-_STRUCTURED = {"breakdown_mib": dict, "peak_allocated_by_phase_mib": dict, "losses": list, "per_rank": list, "find_batch": list, "find_seq": list,
-               "traced_step_oom": bool}  # true: the traced step's OOM (no breakdown), not training's
+# traced_step_oom true: the traced step's OOM (no breakdown), not training's
+_STRUCTURED = {"breakdown_mib": dict, "peak_allocated_by_phase_mib": dict, "losses": list, "per_rank": list,
+               "find_batch": list, "find_seq": list, "traced_step_oom": bool}
 # Times and throughputs, which like every size (a `*_mib` figure) a measurement never makes negative;
 # one that is would become the baseline of the report's deltas. Losses may be anything finite.
 _AT_LEAST_ZERO = ("iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90", "train_latency_s", "compile_s",

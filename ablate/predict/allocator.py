@@ -10,7 +10,7 @@ in the large one): then the whole block is the tensor's. So a parameter of 20,48
 gpt2-xl MLP weight) sits in a 20 MiB block, 0.47 MiB beyond it. The rules are c10/cuda's
 CUDACachingAllocator.cpp (round_size, get_allocation_size, get_free_block, should_split) with its
 default settings; played here over the parameters in build order, they give every recorded model's
-allocator peak after the build to the byte (tests/test_allocator_blocks.py).
+allocator peak after the build to 0.05 MiB (tests/test_allocator_blocks.py).
 """
 from __future__ import annotations
 

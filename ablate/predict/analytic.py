@@ -241,11 +241,13 @@ def _asked(t: Techniques) -> None:
 
 
 def _default_segments(alloc_conf: str | None) -> bool:
-    """Whether PYTORCH_CUDA_ALLOC_CONF leaves the allocator's segments and splitting as they are by
-    default (expandable segments grow in place; a split or rounding setting changes the blocks)."""
+    """Whether PYTORCH_CUDA_ALLOC_CONF leaves the caching allocator's segments and splitting as they
+    are by default (expandable segments grow in place; a split or rounding setting changes the
+    blocks; cudaMallocAsync is another allocator)."""
     settings = dict(kv.split(":", 1) for kv in (alloc_conf or "").replace(" ", "").split(",") if ":" in kv)
     changed = ("max_split_size_mb", "roundup_power2_divisions")
-    return settings.get("expandable_segments", "False").lower() != "true" and not any(k in settings for k in changed)
+    return (settings.get("expandable_segments", "False").lower() != "true" and not any(k in settings for k in changed)
+            and settings.get("backend", "native") == "native")
 
 
 def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
