@@ -92,5 +92,7 @@ def test_the_blocks_are_counted_under_the_default_segments_only(alloc_conf):
 
     base = ["model=gpt2-xl", "precision=bf16_pure", "device=cuda", "batch_size=1", "seq_len=64"]
     default, other = (analytic(compose_spec([*base, *extra])).peak_mib for extra in ([], [f"alloc_conf='{alloc_conf}'"]))
-    # gpt2-xl's bf16 parameters' blocks: the H200's init peak less the parameters (gpt2_xl_8gib_lean)
-    assert default - other == pytest.approx(67.77, abs=0.01)
+    spec = compose_spec(base)
+    slack = slack_bytes([n * 2 for n in shapes_of(spec, Techniques.of(spec)).param_numels.values()]) / MIB
+    assert slack > 60  # gpt2-xl's bf16 weights: 143 of them 0.47 MiB short of their blocks
+    assert default - other == pytest.approx(slack)
