@@ -19,7 +19,7 @@ from helpers import ROOT, compose_config, compose_spec, results_under, run_cli
 TOP = {"schema", "run_id", "status", "reason", "choices", "config", "overrides", "metrics", "prediction",
        "env", "timing", "artifacts"}
 METRICS = {"peak_allocated_mib", "peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "host_peak_rss_mib",
-           "init_peak_allocated_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
+           "init_peak_allocated_mib", "peak_allocated_by_phase_mib", "breakdown_mib", "iter_time_ms", "iter_time_ms_p10", "iter_time_ms_p90",
            "train_latency_s", "tokens_per_s", "samples_per_s", "tflops", "mfu", "hfu", "gpu_util_pct_mean",
            "gpu_util_pct_std", "compile_s", "skipped_steps", "traced_step_oom", "diverged_at_step", "loss_scale", "loss_first", "loss_final", "eval_loss", "loss_floor",
            "losses", "per_rank", "max_batch_size", "predicted_max_batch_size", "find_batch", "max_seq_len",
@@ -77,7 +77,8 @@ def test_result_carries_every_contract_field(sweep):
         assert m["iter_time_ms_p10"] <= m["iter_time_ms"] <= m["iter_time_ms_p90"]
         assert len(m["losses"]) == 5  # warm-up 2 + measured 3
         # Not measurable on a CPU: null, never 0.
-        for key in ("peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "mfu", "gpu_util_pct_mean"):
+        for key in ("peak_reserved_mib", "peak_active_mib", "nvml_peak_mib", "peak_allocated_by_phase_mib", "mfu",
+                    "gpu_util_pct_mean"):
             assert m[key] is None, key
         assert r["env"]["gpu_name"] is None and r["env"]["world_size"] == 1 and r["env"]["torch"]
 
