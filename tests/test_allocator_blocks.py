@@ -11,12 +11,12 @@ from omegaconf import OmegaConf
 
 from ablate.build import Techniques
 from ablate.predict.allocator import MIB, blocks_bytes, slack_bytes
-from ablate.predict.analytic import BYTES, _fsdp
+from ablate.predict.analytic import BYTES, _fsdp, analytic
 from ablate.predict.shapes import shapes_of
 from ablate.schema import CONF, register
-from ablate.techniques.peft import DoRA, QLoRA
 from ablate.spec import RunSpec
-from tests.helpers import ROOT
+from ablate.techniques.peft import DoRA, QLoRA
+from tests.helpers import ROOT, compose_spec
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import repredict  # noqa: E402
@@ -87,9 +87,6 @@ def test_the_blocks_are_the_allocator_peak_after_every_recorded_build():
 def test_the_blocks_are_counted_under_the_default_segments_only(alloc_conf):
     """Expandable segments grow in place and cudaMallocAsync is another allocator: neither keeps
     these remainders, so the plan has none of them."""
-    from ablate.predict.analytic import analytic
-    from helpers import compose_spec
-
     base = ["model=gpt2-xl", "precision=bf16_pure", "device=cuda", "batch_size=1", "seq_len=64"]
     default, other = (analytic(compose_spec([*base, *extra])).peak_mib for extra in ([], [f"alloc_conf='{alloc_conf}'"]))
     spec = compose_spec(base)
