@@ -6,7 +6,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ablate.schema import register
+from tests import cli_zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -60,12 +60,12 @@ def compose_spec(overrides: list[str] = ()):
 
 def run_cli(args: list[str], out_dir: Path, env: dict | None = None, timeout: float = 300,
             fast: bool = True) -> subprocess.CompletedProcess:
-    """`python -m ablate ARGS` with outputs under out_dir; never raises on a non-zero exit."""
+    """`python -m ablate ARGS` with outputs under out_dir; never raises on a non-zero exit. It runs
+    forked from a process that has done the command's imports (tests/cli_zygote.py)."""
     defaults = fast_defaults(args) if fast else []
-    cmd = [sys.executable, "-m", "ablate", *args, f"out_dir={out_dir}", *defaults]
     full_env = {k: v for k, v in os.environ.items() if k != "ABLATE_FAULT"}
     full_env.update(env or {})
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return cli_zygote.run([*args, f"out_dir={out_dir}", *defaults], full_env, ROOT, timeout)
 
 
 def results_under(path: Path) -> list[dict]:
