@@ -1,0 +1,54 @@
+"""The tests' `python -m ablate` (tests/cli_zygote.py, a child forked from a process that did the
+command's imports) is the command: the same exit status, output and run as a fresh interpreter's,
+and subprocess.run's timeout."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+import yaml
+
+from tests import cli_zygote
+from tests.helpers import ROOT, fast_defaults, results_under
+
+
+def fresh(args: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_refused_command_line_exits_1_with_the_same_words():
+    env = dict(os.environ)
+    a, b = (cli(["optimizer=adamx"], env, ROOT, 300) for cli in (fresh, cli_zygote.run))
+    assert a.returncode == b.returncode == 1
+    assert b.stderr == a.stderr and "adamw" in b.stderr
+    assert b.stdout == a.stdout
+
+
+def test_a_run_is_the_same_run_with_the_same_status_and_hydra_job(tmp_path):
+    """A point whose worker fails: exit status 1 from both, the same run_id (the same composed
+    config), and Hydra saw the same job (its name comes from how ablate/__main__.py was run)."""
+    env = {**os.environ, "ABLATE_FAULT": "error"}
+    a, b = (cli([f"out_dir={tmp_path / name}", f"hydra.run.dir={tmp_path / name / 'run'}", *fast_defaults([])],
+                env, ROOT, 300) for name, cli in (("fresh", fresh), ("forked", cli_zygote.run)))
+    assert a.returncode == b.returncode == 1, b.stderr
+    (ra,), (rb,) = results_under(tmp_path / "fresh"), results_under(tmp_path / "forked")
+    assert ra["status"] == rb["status"] == "error" and ra["reason"] == rb["reason"]
+    assert ra["run_id"] == rb["run_id"]  # out_dir is not in it
+    hydra = [yaml.safe_load((tmp_path / n / "run" / ".hydra" / "hydra.yaml").read_text())["hydra"]
+             for n in ("fresh", "forked")]
+    assert hydra[0]["job"] == hydra[1]["job"]
+    assert hydra[0]["runtime"]["choices"] == hydra[1]["runtime"]["choices"]
+    assert hydra[0]["runtime"]["config_sources"] == hydra[1]["runtime"]["config_sources"]
+    assert [ln for ln in b.stdout.splitlines() if "[  error]" in ln]
+
+
+def test_a_command_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(tmp_path):
+    args = [f"out_dir={tmp_path}", "timeout_s=600", *fast_defaults([])]
+    with pytest.raises(subprocess.TimeoutExpired):
+        cli_zygote.run(args, {**os.environ, "ABLATE_FAULT": "hang"}, ROOT, timeout=3)
+    # the command's process is gone, and with it its worker (PR_SET_PDEATHSIG)
+    assert not psutil.Process(cli_zygote._server.proc.pid).children(recursive=True)
