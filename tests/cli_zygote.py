@@ -11,8 +11,9 @@ command's. It differs from a fresh interpreter only in what the imports did befo
 threads, no CUDA, no Hydra state (composition starts in the child).
 
 `run` is the tests' side: one server per test process, started on first use and gone with that
-process (its stdin closes). A call made while another thread's command runs, and every call under
-ABLATE_TEST_CLI=fresh, starts a fresh interpreter instead. Protocol: a JSON line per command on the
+process (its stdin closes). A call made while another thread's command runs, one whose environment
+differs in what an interpreter reads as it starts (a sitecustomize on PYTHONPATH), and every call
+under ABLATE_TEST_CLI=fresh, start a fresh interpreter instead. Protocol: a JSON line per command on the
 server's stdin ({"args", "env", "cwd", "out", "err"}); its reply pipe (fd given on its command line)
 gets the child's pid, then its exit code as subprocess reports one (negative: the signal that
 ended it).
@@ -31,17 +32,30 @@ import threading
 import time
 from pathlib import Path
 
+from launch.warm_start import SET_BY_IMPORTS
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+# Read as an interpreter starts or as torch is imported (a sitecustomize on PYTHONPATH, a preloaded
+# library, torch's logging and thread settings): a command that sets one otherwise than the server
+# started with gets a fresh interpreter. Torch's imports set TORCHINDUCTOR_CACHE_DIR to its default.
+_AT_START = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_")
 
 
 class _Server:
     def __init__(self) -> None:
+        self.env = dict(os.environ)
         read, write = os.pipe()
         self.log = tempfile.NamedTemporaryFile(prefix="cli_zygote.", suffix=".log", delete=False)
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote", str(write)], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, pass_fds=(write,))
         os.close(write)
         self.replies, self.buf = read, b""
+
+    def starts_alike(self, env: dict) -> bool:
+        keys = {k for k in (*env, *self.env) if k.startswith(_AT_START) and k not in SET_BY_IMPORTS}
+        return all(env.get(k) == self.env.get(k) for k in keys)
 
     def line(self, timeout: float | None) -> str | None:
         """The next reply; None when none came within `timeout` s."""
@@ -81,15 +95,16 @@ def run(args: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.Com
     """`python -m ablate ARGS` in `cwd` with the whole environment `env`, its output captured as
     text; subprocess.run's result, and its TimeoutExpired."""
     global _server
-    if os.environ.get("ABLATE_TEST_CLI") == "fresh" or not _lock.acquire(blocking=False):
-        return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
-                              text=True, timeout=timeout)
-    try:
-        if _server is None or _server.proc.poll() is not None:
-            _server = _Server()
-        return _server.run(args, env, cwd, timeout)
-    finally:
-        _lock.release()
+    if os.environ.get("ABLATE_TEST_CLI") != "fresh" and _lock.acquire(blocking=False):
+        try:
+            if _server is None or _server.proc.poll() is not None:
+                _server = _Server()
+            if _server.starts_alike(env):
+                return _server.run(args, env, cwd, timeout)
+        finally:
+            _lock.release()
+    return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def _preload() -> None:
