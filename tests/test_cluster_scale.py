@@ -120,10 +120,12 @@ def check_report(sweep: dict, grid: dict, out: Path) -> None:
     assert max(max(size) for size in pngs.values()) < MAX_PX, pngs
 
 
+@pytest.mark.slow  # the simulated cluster sweep (15 s with the test below)
 def test_every_point_has_one_whole_result_and_one_index_entry(small):
     check_bookkeeping(small)
 
 
+@pytest.mark.slow
 def test_the_report_counts_and_tables_every_point(small, tmp_path, capsys):
     assert report.main([str(small["sweep"]), "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith(f"# ablate report: {len(small['points'])} runs")

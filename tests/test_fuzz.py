@@ -250,6 +250,7 @@ def check_files(args: list[str]) -> None:
         assert "data.path" in str(exc).splitlines()[0], (args, repr(exc))
 
 
+@pytest.mark.slow  # 30 drawn files (19 s); the drawn command lines run by default
 @settings(max_examples=30, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(a_data_source())
@@ -348,6 +349,7 @@ def check_checkpoint(checkpoint: dict, damage: list) -> None:
     family.load_weights(family.build())  # what the job let through, the worker loads
 
 
+@pytest.mark.slow  # 25 drawn checkpoints (17 s)
 @settings(max_examples=25, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())

@@ -158,6 +158,7 @@ def test_one_gpu_or_none_is_hydras_basic_launcher_as_before(monkeypatch, tmp_pat
         assert calls == [("setup", ["config", "hydra_context", "task_function"]), ("launch", [["optimizer=sgd"]], 0)]
 
 
+@pytest.mark.slow  # a real sweep of pooled submitit jobs (20 s); the packing itself is tested above
 def test_a_real_sweep_packs_points_of_one_and_two_gpus_and_refuses_one_wanting_more(tmp_path):
     """Three rungs on three fake GPUs: one process, two DDP ranks (gloo), and eight ranks."""
     rungs = ("hydra.sweeper.rungs=[{parallel: single},{parallel: ddp, parallel.nproc: 2},"

@@ -57,9 +57,11 @@ def n_params(overrides: list[str]) -> int:
 @pytest.mark.parametrize("overrides", [
     ["optimizer=adamw"],
     ["optimizer=sgd", "checkpoint=block"],
-    ["optimizer=adafactor", "accumulation=x4"],
-    ["optimizer=adamw_foreach", "precision=bf16_pure", "precision.init_on_device=true"],
-    ["precision=bf16", "checkpoint=ops", "optimizer.in_backward=true"],
+    # the three slowest (10-13 s each) in `make test-slow`
+    pytest.param(["optimizer=adafactor", "accumulation=x4"], marks=pytest.mark.slow),
+    pytest.param(["optimizer=adamw_foreach", "precision=bf16_pure", "precision.init_on_device=true"],
+                 marks=pytest.mark.slow),
+    pytest.param(["precision=bf16", "checkpoint=ops", "optimizer.in_backward=true"], marks=pytest.mark.slow),
     ["optimizer=adamw8bit", "checkpoint=mlp"],
 ], ids=lambda o: ",".join(o))
 def test_trace_is_the_real_cpu_step_byte_for_byte(overrides):
@@ -218,6 +220,7 @@ def test_trace_leaves_no_global_state_behind_even_when_it_fails(monkeypatch):
     assert FakeTensor not in torch_optim._foreach_supported_types
 
 
+@pytest.mark.slow  # 1.5B parameters through FakeTensorMode (25 s); the small traces run by default
 def test_gpt2_xl_traces_in_seconds_without_allocating_it():
     cfg = compose_spec(["model=gpt2-xl", "batch_size=1", "seq_len=1024", "device=cpu"])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB)

@@ -27,6 +27,7 @@ def rows(page: str, heading: str) -> list[list[str]]:
     return body
 
 
+@pytest.mark.slow  # the benchmark script end to end (13 s)
 def test_a_cpu_point_gets_its_top_operators_by_their_own_time(tmp_path):
     args = ["--results", str(tmp_path), "--steps", "2", "--top", "5", "--micro-batch", "2", *FAST]
     proc = subprocess.run([sys.executable, "benchmarks/profile_step.py", *args], cwd=ROOT, capture_output=True,

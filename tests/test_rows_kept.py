@@ -25,7 +25,7 @@ from ablate.runner import Trained
 from ablate.command_line import unknown_key
 from ablate.techniques import Invalid
 from analysis.report import main as report
-from helpers import FAST, ROOT, compose_spec, results_under, run_cli
+from helpers import FAST, ROOT, compose_spec, results_under, run_cli, slow_except
 from launch import local, warm_start
 
 DIVERGES = "optimizer.lr=1e6"  # AdamW at this rate makes the weights NaN within two steps
@@ -151,6 +151,7 @@ def test_a_read_only_working_directory_is_one_line_before_anything_runs(read_onl
 
 # Host memory refused under a limit of the process: not a measurement.
 
+@pytest.mark.slow  # two runs under a limit (14 s); a refusal's row is tested in-process above
 def test_an_allocation_refused_under_ulimit_is_not_measured_and_runs_again(tmp_path):
     limit = 6 * 2**30  # the worker's logits alone take more (gpt-nano, 256 x 64 tokens of a 50k vocabulary)
 
@@ -204,7 +205,7 @@ def test_a_batch_search_stops_at_an_unmeasured_probe(tmp_path):
 
 # Bookkeeping that breaks: an index entry that is not one, a worker that cannot be started.
 
-@pytest.mark.parametrize("damage", ["directory", "binary"])
+@pytest.mark.parametrize("damage", slow_except(["directory", "binary"], "directory"))
 def test_a_broken_index_entry_is_named_replaced_and_its_point_run_again(tmp_path, damage):
     assert run_cli([], tmp_path).returncode == 0
     (entry,) = [p for p in (tmp_path / "index").iterdir() if "." not in p.name]

@@ -68,6 +68,7 @@ def _array_task(result: dict) -> tuple[str, int]:
     return match[1], int(match[2])
 
 
+@pytest.mark.slow  # starts a SLURM cluster (30 s)
 def test_each_point_is_one_array_task_and_the_report_reads_them(cluster, tmp_path):
     proc = run_cli([*SWEEP, "optimizer=adamw,sgd", f"hydra.sweep.dir={tmp_path}/s"], tmp_path, env=ENV,
                    timeout=180)

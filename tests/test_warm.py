@@ -238,6 +238,7 @@ def test_the_servers_imports_ask_nothing_of_cuda(tmp_path):
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow  # a sweep of Hugging Face and adapter points (15 s)
 def test_a_point_on_a_host_without_a_gpu_is_prepared_with_its_models_and_adapters_libraries(tmp_path):
     spec = _spec_file(tmp_path / "spec.json", [*QLORA, "device=cpu"])
     code = (f"import sys, ablate.worker; ablate.worker.prepare([{spec!r}]); "
