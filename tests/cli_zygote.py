@@ -3,8 +3,8 @@ every run of the CLI imports, and forks a child for each command line it is sent
 
 A run of a tiny point through the CLI costs some 11 CPU-seconds on two cores, of which the training
 is half a second; the command's own imports (torch, Hydra, ablate's job and prediction modules) are
-about 4 of them. The suite runs the CLI a few hundred times, so `helpers.run_cli` sends its command
-lines here instead. Each child runs the command as `python -m ablate` does (`runpy`, with the
+about 4 of them. `make test` runs the CLI some ninety times, `make test-slow` more, so
+`helpers.run_cli` sends its command lines here instead. Each child runs the command as `python -m ablate` does (`runpy`, with the
 module as `__main__`, the arguments in `sys.argv`, the environment, working directory and output
 files of the call) and exits as that interpreter would: its exit status and output are the
 command's. It differs from a fresh interpreter only in what the imports did before the fork: no
@@ -47,7 +47,7 @@ class _Server:
     def __init__(self) -> None:
         self.env = dict(os.environ)
         read, write = os.pipe()
-        self.log = tempfile.NamedTemporaryFile(prefix="cli_zygote.", suffix=".log", delete=False)
+        self.log = tempfile.TemporaryFile()  # what the server itself printed, for a server that died
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote", str(write)], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, pass_fds=(write,))
         os.close(write)
@@ -66,7 +66,8 @@ class _Server:
                 return None
             chunk = os.read(self.replies, 4096)
             if not chunk:
-                raise RuntimeError(f"the CLI test server died: {Path(self.log.name).read_text()[-3000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"the CLI test server died: {self.log.read()[-3000:].decode(errors='replace')}")
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return line.decode()
