@@ -34,7 +34,6 @@ def verbatim(tmp_path_factory):
     return results_under(out / "s")
 
 
-@pytest.mark.slow  # four points of two ranks (45 s); one DDP and one FSDP point run by default
 def test_verbatim_sweep_gives_four_ok_rows_with_two_ranks(verbatim):
     assert sorted((r["choices"]["parallel"], r["choices"]["checkpoint"]) for r in verbatim) == \
         [("ddp", "block"), ("ddp", "none"), ("fsdp", "block"), ("fsdp", "none")]
@@ -127,7 +126,6 @@ def test_a_killed_rank_is_named_and_the_sweep_goes_on(tmp_path):
     assert rows["fsdp"]["status"] == "ok", rows["fsdp"]["reason"]  # fsdp + block + x2 + bf16 runs
 
 
-@pytest.mark.slow  # a two-rank sweep (13 s); ranks that fail are named by the SIGKILL test
 def test_a_rank_oom_is_an_oom_row_naming_the_rank(tmp_path):
     run_cli(["parallel=ddp"], tmp_path, env={"ABLATE_FAULT": "oom@1"})
     (row,) = results_under(tmp_path)
