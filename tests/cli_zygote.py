@@ -23,16 +23,14 @@ from __future__ import annotations
 import json
 import os
 import runpy
-import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-from launch.warm_start import SET_BY_IMPORTS
+from launch.warm_start import SET_BY_IMPORTS, _Lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +49,7 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote", str(write)], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, pass_fds=(write,))
         os.close(write)
-        self.replies, self.buf = read, b""
+        self.replies = _Lines(read)  # the warm worker's reader: lines from a pipe, with a time limit
 
     def starts_alike(self, env: dict) -> bool:
         keys = {k for k in (*env, *self.env) if k.startswith(_AT_START) and k not in SET_BY_IMPORTS}
@@ -59,18 +57,11 @@ class _Server:
 
     def line(self, timeout: float | None) -> str | None:
         """The next reply; None when none came within `timeout` s."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self.buf:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self.replies], [], [], left)[0]:
-                return None
-            chunk = os.read(self.replies, 4096)
-            if not chunk:
-                self.log.seek(0)
-                raise RuntimeError(f"the CLI test server died: {self.log.read()[-3000:].decode(errors='replace')}")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode()
+        reply = self.replies.next(timeout)
+        if reply == "":
+            self.log.seek(0)
+            raise RuntimeError(f"the CLI test server died: {self.log.read()[-3000:].decode(errors='replace')}")
+        return reply
 
     def run(self, args: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "ablate", *args]
