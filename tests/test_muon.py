@@ -86,8 +86,8 @@ def test_muon_in_backward_is_the_same_step():
 
 @torch.compiler.set_stance("force_eager")
 def test_adamw_bf16_keeps_bf16_moments_beside_fp32_parameters_and_follows_adamw():
-    # Eager: torchao compiles its step once per parameter shape (some 40 s for gpt-nano's on two
-    # cores) to run the same math; the compiled step runs in the prediction test below.
+    # Eager: torchao compiles its step once per parameter shape, to run the same math, and the
+    # compiled step runs in the prediction test below.
     t, model, opt = built([*SMALL, "optimizer=adamw_bf16"])
     batch = torch.randint(0, 128, (2, 4, 16), generator=torch.Generator().manual_seed(1))
     train_step(model, opt, t.precision.grad_scaler("cpu"), t, (batch[0], batch[1]), CPU)
