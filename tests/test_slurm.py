@@ -146,3 +146,20 @@ def _wait_until(condition, timeout: float) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+@pytest.mark.slow
+def test_a_cluster_started_again_after_its_daemons_died_drops_the_jobs_it_lost(cluster):
+    """The daemons and a running job die together (a killed session, a rebooted machine) and the state
+    directory stays. start.sh brings the cluster back without that job: recovered as running, it
+    would hold the only node until slurmctld gave up on it, minutes later, and new jobs would wait."""
+    job = _slurm("sbatch", "--parsable", "--output=/dev/null", "--wrap", "sleep 600").stdout.strip()
+    assert _wait_until(lambda: _slurm("squeue", "-h", "-j", job, "-o", "%T").stdout.strip() == "RUNNING", 30)
+    daemons = [p for p in psutil.process_iter(["name"]) if p.info["name"] in ("slurmctld", "slurmd", "slurmstepd")]
+    for p in [*daemons, *(c for p in daemons for c in p.children(recursive=True))]:
+        p.kill()
+    start = subprocess.run([SCRIPTS / "start.sh"], capture_output=True, text=True, timeout=300)
+    assert start.returncode == 0, start.stderr
+    after = _slurm("sbatch", "--parsable", "--output=/dev/null", "--wait", "--wrap", "true")  # 30 s at most
+    assert after.returncode == 0, after.stderr
+    assert f"cancelling jobs left from the cluster that stopped: {job}" in start.stderr

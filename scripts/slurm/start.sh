@@ -188,6 +188,18 @@ else
   done
 fi
 
+# The state directory keeps job ids counting up, but the jobs it holds belong to daemons that are
+# gone (we only get here when the cluster was down), and their processes with them. Recovered as
+# RUNNING, such a job would hold its node (every job is exclusive) until slurmctld notices that no
+# slurmd knows it, minutes later; new jobs would wait behind it. Their launchers see them CANCELLED.
+for _ in $(seq 40); do stale=$(timeout 10 squeue -h -o %A 2>/dev/null) && break; sleep 0.5; done
+if [[ -n ${stale:-} ]]; then
+  # shellcheck disable=SC2086
+  say "cancelling jobs left from the cluster that stopped:" $(sort -u <<<"$stale")
+  # shellcheck disable=SC2086
+  scancel $stale >&2 || true
+fi
+
 for _ in $(seq 120); do
   waiting=()
   for name in "${NAMES[@]}"; do
