@@ -1,12 +1,13 @@
 """What a sweep's points wait for their workers: the `startup` phase of its first point and of the rest.
 
-    python benchmarks/sweep_startup.py [--sweep nano|llama-lora] [--repeats N] [--tree NAME=CHECKOUT ...]
+    python benchmarks/sweep_startup.py [--sweep nano|llama-lora|ddp] [--repeats N] [--tree NAME=CHECKOUT ...]
                                        [--results DIR]
 
 runs one of the sweeps below (`nano`: ablate's own GPT; `llama-lora`: a tiny Llama with LoRA
-adapters, whose points import transformers' modeling code and peft) `--repeats` times (3) in each
+adapters, whose points import transformers' modeling code and peft; `ddp`: the GPT on two ranks,
+whose startup is torchrun's and its ranks') `--repeats` times (3) in each
 checkout (default: this one), one after another, and writes `<results>/<device>/sweep_startup.md`
-(`sweep_startup_llama_lora.md`): per checkout, its commit, the medians of the sweep's
+(`sweep_startup_llama_lora.md`, `sweep_startup_ddp.md`): per checkout, its commit, the medians of the sweep's
 wall time (this script's clock around the process) and CPU time (it and every process it started),
 of the first point's `startup` (the worker's start left at its launch: the job started it while it
 predicted) and of the later points' (forked from the same server: launch/warm_start.py), and of
@@ -35,7 +36,8 @@ SWEEPS = {"nano": ["-m", "seed=0,1,2,3", "model=gpt-nano", "steps=3", "device=cp
                          "model.config.hidden_size=64", "model.config.intermediate_size=128",
                          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
                          "model.config.vocab_size=128", "data.vocab_size=128", "peft=lora", "batch_size=4",
-                         "seq_len=16", "steps=3", "device=cpu"]}
+                         "seq_len=16", "steps=3", "device=cpu"],
+          "ddp": ["-m", "seed=0,1,2,3", "model=gpt-nano", "parallel=ddp", "parallel.nproc=2", "steps=3", "device=cpu"]}
 SWEEP = SWEEPS["nano"]
 
 

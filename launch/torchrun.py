@@ -1,25 +1,36 @@
 """`python -m launch.torchrun <spec.json>`: every rank of one grid point through torchrun's own
-launcher (torch.distributed.run), and a structured report of which rank failed first.
+launcher (torch.distributed's elastic agent), and a structured report of which rank failed first.
 
 Run as the job's child instead of the `torchrun` script so that a failure comes back as torch's
-ChildFailedError (rank, exit code) rather than as text on stderr.
+ChildFailedError (rank, exit code) rather than as text on stderr. The ranks are forked from this
+process, which has imported torch and the worker already (and waited for its point imported, when
+started warm: launch/warm_start.py), instead of each starting an interpreter that imports them
+again: seconds per rank on a GPU host. Nothing here sets CUDA up, so each rank can.
 """
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser
 
+from ablate import worker
 from ablate.events import EventWriter
 from launch import cpus, warm_start
 
 RDZV_PORT_BASE = 29400  # multi-node: port on the first node, offset by the SLURM job id
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() through NVML: no cuInit
 
 
 def rendezvous_args(nproc: int, nodes: int) -> list[str]:
@@ -42,15 +53,53 @@ def threads_per_rank(nproc: int) -> int:
     return max(1, len(cpus.allowed()) // nproc)  # a SLURM allocation's, a gpu_pool point's share
 
 
+def rank_main(spec_path: str) -> None:
+    """One rank, forked from this launcher: the worker's main, its failure as the rank's exit code."""
+    # The signal handlers a new interpreter starts with: the elastic agent's (a SIGTERM stops its
+    # ranks) came with the fork, and a rank told to stop stops, as torchrun's own ranks do.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # torch read OMP_NUM_THREADS once, when this launcher imported it; a new interpreter would read
+    # the rank's (threads_per_rank), and more threads than that would contend for the rank's CPUs.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    code = worker.main(spec_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+
+
+def launch_config(argv: list[str]) -> LaunchConfig:
+    """torchrun's launch settings for its arguments `argv`, as torch.distributed.run makes them,
+    with forked ranks. LaunchConfig asks whether CUDA is available (for a default NUMA binding);
+    asked the usual way, that sets CUDA's driver up in this process, and no rank forked after it
+    could use CUDA. Asked through NVML, it does not."""
+    args = get_args_parser().parse_args([*argv, "-m", "ablate.worker"])  # the script: rank_main instead
+    if args.standalone:  # as torch.distributed.run.run does
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    before = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        config, _, _ = config_from_args(args)
+    finally:  # the ranks inherit this environment: theirs stays the user's
+        if before is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = before
+    config.start_method = "fork"
+    return config
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     parallel = spec["config"]["parallel"]
     # torchrun sets it only where it is unset; a user's own setting stands
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(parallel["nproc"])))
-    argv = [*rendezvous_args(parallel["nproc"], parallel["nodes"]), "--monitor-interval=0.2",
-            "-m", "ablate.worker", spec_path]
+    config = launch_config([*rendezvous_args(parallel["nproc"], parallel["nodes"]), "--monitor-interval=0.2"])
+    gc.freeze()  # what this process holds, the ranks' collections never walk (as launch/warm_start.py's)
     try:
-        run(get_args_parser().parse_args(argv))
+        elastic_launch(config, rank_main)(spec_path)
         return 0
     except ChildFailedError as exc:  # every failed rank: which died of a signal tells the root cause
         failed = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
@@ -60,5 +109,6 @@ def main(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    args = warm_start.arguments(sys.argv[1:])  # started warm: waits here, imported, for the go
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # inherited by the ranks, as ablate.worker's
+    args = warm_start.arguments(sys.argv[1:], worker.prepare)  # started warm: waits here, imported, for the go
     sys.exit(main(args[0]) if args else 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import results_under, run_cli
+from launch.torchrun import threads_per_rank
 
 RUNS = 5  # warm-up 2 + measured 3 steps (tests/helpers.py FAST)
 # SGD for the equivalence runs: Adam divides by the root of the second moment, which turns the
@@ -41,6 +42,8 @@ def test_verbatim_sweep_gives_four_ok_rows_with_two_ranks(verbatim):
         m = r["metrics"]
         assert r["status"] == "ok", r["reason"]
         assert r["env"]["world_size"] == 2 and r["config"]["parallel"]["nproc"] == 2  # auto -> 2 on CPU
+        # its share of the CPUs, though forked from a launcher whose torch took all of them
+        assert r["env"]["cpu_threads"] == threads_per_rank(2)
         assert [p["rank"] for p in m["per_rank"]] == [0, 1]
         assert m["peak_allocated_mib"] == max(p["peak_allocated_mib"] for p in m["per_rank"])
 
@@ -142,12 +145,13 @@ def test_each_rank_gets_its_share_of_the_cpus_not_torchruns_one_thread(monkeypat
     import launch.torchrun as launcher
 
     seen = []
-    monkeypatch.setattr(launcher, "run", lambda args: seen.append((os.environ.get("OMP_NUM_THREADS"),
-                                                                    args.nproc_per_node)))
+    monkeypatch.setattr(launcher, "elastic_launch", lambda config, entrypoint: lambda *args: seen.append(
+        (os.environ.get("OMP_NUM_THREADS"), config.nproc_per_node)))
+    monkeypatch.setattr(launcher.gc, "freeze", lambda: None)  # this test process's objects stay collectable
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     spec = tmp_path / "spec.json"
     for nproc, given, want in ((4, None, "4"), (3, None, "5"), (32, None, "1"), (4, "2", "2")):
         monkeypatch.setattr(os, "environ", {} if given is None else {"OMP_NUM_THREADS": given})
         spec.write_text(json.dumps({"config": {"parallel": {"nproc": nproc, "nodes": 1}}, "run_dir": str(tmp_path)}))
         assert launcher.main(str(spec)) == 0
-        assert seen[-1] == (want, str(nproc))
+        assert seen[-1] == (want, nproc)

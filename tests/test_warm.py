@@ -238,6 +238,23 @@ def test_the_servers_imports_ask_nothing_of_cuda(tmp_path):
     assert out.stdout.strip() == "False"
 
 
+def test_torchruns_launch_settings_leave_cuda_unset_for_the_ranks_it_forks():
+    """launch/torchrun.py forks a point's ranks from its own process, so making torchrun's launch
+    settings there (LaunchConfig asks whether CUDA is available) must not set CUDA's driver up. A GPU
+    host, as far as torch can tell: built with CUDA, NVML counting two GPUs, and the runtime's
+    device count, which would set the driver up, refusing."""
+    code = ("import os, torch, torch.cuda, launch.torchrun as t\n"  # imported first: as on a CPU host
+            "torch.cuda._is_compiled = lambda: True\n"
+            "torch.cuda._device_count_nvml = lambda: 2\n"
+            "def refuse(*a, **k): raise AssertionError('cudaGetDeviceCount: CUDA set up before the fork')\n"
+            "torch._C._cuda_getDeviceCount = refuse\n"
+            "config = t.launch_config(['--standalone', '--nproc-per-node=2'])\n"
+            "print(config.start_method, config.nproc_per_node, os.environ.get(t.NVML_CHECK))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["fork", "2", "None"]  # and the ranks' environment is left as it was
+
+
 @pytest.mark.slow  # a sweep of Hugging Face and adapter points (15 s)
 def test_a_point_on_a_host_without_a_gpu_is_prepared_with_its_models_and_adapters_libraries(tmp_path):
     spec = _spec_file(tmp_path / "spec.json", [*QLORA, "device=cpu"])
