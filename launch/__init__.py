@@ -7,6 +7,8 @@ listing its folder, and a checkout run from PYTHONPATH (a GPU host without netwo
 at all. A launcher's job unpickles it in a fresh process through `rebuild_launcher`, which imports
 this package first (hydra_plugins.ablate_launcher.launchers._Portable).
 """
+import contextlib
+import os
 from pathlib import Path
 
 PLUGINS = Path(__file__).parent / "plugins"  # holds ablate_launcher (pyproject.toml's package-dir)
@@ -20,6 +22,20 @@ def plugins_importable() -> None:
         return
     if PLUGINS.is_dir() and str(PLUGINS) not in list(hydra_plugins.__path__):
         hydra_plugins.__path__.append(str(PLUGINS))
+
+
+@contextlib.contextmanager
+def environ(key: str, value: str | None):
+    """os.environ[key] = value (None: unset) for the block, then as it was."""
+    before = os.environ.pop(key, None)
+    if value is not None:
+        os.environ[key] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)
+        if before is not None:
+            os.environ[key] = before
 
 
 def rebuild_launcher(name: str, state: dict):

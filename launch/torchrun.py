@@ -27,7 +27,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from ablate import worker
 from ablate.events import EventWriter
-from launch import cpus, warm_start
+from launch import cpus, environ, warm_start
 
 RDZV_PORT_BASE = 29400  # multi-node: port on the first node, offset by the SLURM job id
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() through NVML: no cuInit
@@ -78,15 +78,8 @@ def launch_config(argv: list[str]) -> LaunchConfig:
     args = get_args_parser().parse_args([*argv, "-m", "ablate.worker"])  # the script: rank_main instead
     if args.standalone:  # as torch.distributed.run.run does
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    before = os.environ.get(NVML_CHECK)
-    os.environ[NVML_CHECK] = "1"
-    try:
+    with environ(NVML_CHECK, "1"):  # the ranks inherit the environment: theirs stays the user's
         config, _, _ = config_from_args(args)
-    finally:  # the ranks inherit this environment: theirs stays the user's
-        if before is None:
-            del os.environ[NVML_CHECK]
-        else:
-            os.environ[NVML_CHECK] = before
     config.start_method = "fork"
     return config
 

@@ -30,7 +30,7 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import OmegaConf
 
 from launch import cpus as host_cpus
-from launch import rebuild_launcher
+from launch import environ, rebuild_launcher
 from launch.compose_once import ComposeOnce
 from launch.gpu_pool import Lease, QueuedPoint, gpus_wanted, host_gpus, packed
 from launch.jobs import no_result
@@ -127,7 +127,7 @@ class LocalLauncher(_Portable, PluginLocalLauncher):
                  if v is not None and k not in ("submitit_folder", "max_num_timeout", "gpus_per_node")}
         executor.update_parameters(**queue, gpus_per_node=len(gpus), visible_gpus=list(gpus))
         # submitit's local job takes this process's environment as it starts: the CPUs go in it
-        with _env(host_cpus.ENV, host_cpus.fmt(cpus) if cpus else None):
+        with environ(host_cpus.ENV, host_cpus.fmt(cpus) if cpus else None):
             return executor.submit(self, list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
                                    Singleton.get_state())
 
@@ -223,20 +223,6 @@ class GpuPoolLauncher(LocalLauncher):
         """In the point's job: on its own CPUs before anything starts, then the plugin's job."""
         host_cpus.pin_from_env()
         return super().__call__(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _env(key: str, value: str | None):
-    """os.environ[key] = value (None: unset) for the block, then as it was."""
-    before = os.environ.pop(key, None)
-    if value is not None:
-        os.environ[key] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(key, None)
-        if before is not None:
-            os.environ[key] = before
 
 
 def _ids(ids: Sequence[int]) -> str:
