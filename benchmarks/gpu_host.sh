@@ -2,7 +2,7 @@
 # On a GPU host without network, in a copy of this repository that carries .whl/ (made by
 # benchmarks/wheels.sh): install the wheels beside the host's torch, run the named benchmarks
 # (`gpu-tests` = pytest -m gpu, which also runs predict_check), then pack every report and every
-# result.json (and each oom_snapshot.pickle) into ONE archive, for hosts that hand back only a few files:
+# result.json (with each memory_by_module.csv and oom_snapshot.pickle) into ONE archive, for hosts that hand back only a few files:
 #   ABLATE_GIT_SHA=<commit> bash benchmarks/gpu_host.sh gpu-tests gpt2_large_ladder leanest
 #                                        # -> $OUT/results.tgz (or outputs/); the commit where no .git came along
 # A quoted name carries its benchmark's overrides: "gpt2_large_ladder samples=2560" (gpu-tests: pytest's
@@ -21,7 +21,7 @@ fi
 dest="${OUT:-outputs}"
 mkdir -p "$dest"
 pack() {  # written beside and then renamed: a kill mid-write leaves the previous archive whole
-  tar czf "$dest/results.tgz.part" benchmarks/results $(find outputs \( -name result.json -o -name oom_snapshot.pickle \) 2>/dev/null) &&
+  tar czf "$dest/results.tgz.part" benchmarks/results $(find outputs \( -name result.json -o -name memory_by_module.csv -o -name oom_snapshot.pickle \) 2>/dev/null) &&
     mv "$dest/results.tgz.part" "$dest/results.tgz" && ls -l "$dest/results.tgz"
 }
 past_deadline() {  # within 20 s of ABLATE_DEADLINE_S: too late to start or go on
