@@ -61,6 +61,9 @@ class _CategoryTracker(MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
+        # Read only by torch's _update_snap, as dict.fromkeys(_ref_class, 0) on every tensor it
+        # counts: an enum class is iterated through its metaclass, a tuple of its members at C speed.
+        self._ref_class = tuple(self._ref_class)
         self.category_max: dict[torch.device, dict] = {}
         # (device, fqn) -> [fwd, bwd]: the highest total while the module ran, bytes; -1: never ran
         self.windows: dict[tuple[torch.device, str], list[int]] = {}
@@ -70,6 +73,7 @@ class _CategoryTracker(MemTracker):
         self._clock = 0  # ops dispatched so far
         self._began: dict[str, int] = {}  # fqn -> _clock when its latest forward or backward began
         self._ended: dict[str, int] = {}  # fqn -> _clock when its latest backward ended
+        self.layers: set[int] = set()  # ids of the modules whose forward starts a new layer (_post_fw_hook)
 
     def _update_peak_stats(self, peak_state) -> None:  # after every op
         self._clock += 1
@@ -98,18 +102,26 @@ class _CategoryTracker(MemTracker):
             peaks[bwd] = max(peaks[bwd], snap[_TOTAL_KEY])
 
     def _pre_fw_hook(self, module, inputs) -> None:
+        if id(module) in self.layers and not self._mod_tracker.is_bw:  # before ModTracker hooks its inputs
+            gc.collect()
+            gc.freeze()
         super()._pre_fw_hook(module, inputs)
         self._enter_window(module)
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
         super()._post_fw_hook(module, inputs, outputs)
-        # ModTracker hooks each module's inputs with torch's register_multi_grad_hook, whose "all"
-        # mode keeps the hooked grad_fn in its own closure: a reference cycle. A graph no backward
-        # reaches (DoRA's weight norm, lora_B(lora_A(eye)), detached) then outlives the module that
-        # made it until Python's collector runs, which an untraced step never waits for. Collecting
-        # as each module returns frees it where refcounting would; the objects alive before the
-        # step are frozen, so each collection walks only the step's own.
-        gc.collect()
+        # In forward, ModTracker hooks each module's inputs with torch's register_multi_grad_hook,
+        # whose "all" mode keeps the hooked grad_fn in its own closure: a reference cycle. A graph no
+        # backward reaches (DoRA's weight norm, lora_B(lora_A(eye)), detached) then outlives the
+        # module that made it until Python's collector runs, which an untraced step never waits
+        # for. Collecting as each module returns frees it where refcounting would. Each collection
+        # walks only the objects made since the last freeze: the step's first, then each layer's
+        # start in forward (`layers`), so a step costs collections in proportion to its layers, not
+        # to their square (every earlier layer's hooks and graph are alive until backward). A graph
+        # made in one layer and freed in a later one would be missed: layers hand each other hidden
+        # states. A recompute in backward makes no such cycle (ModTracker hooks nothing there).
+        if not self._mod_tracker.is_bw:
+            gc.collect()
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
         # MemTracker hooks every parameter's gradient, and torch refuses a hook on a parameter that
@@ -212,6 +224,8 @@ def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     tracker = _CategoryTracker()
     tracker.track_external(model, optimizer)
     tracker.adopt(model, optimizer)
+    # A model's repeated layers are the entries of its ModuleLists (decoder layers, MoE experts).
+    tracker.layers = {id(m) for seq in model.modules() if isinstance(seq, torch.nn.ModuleList) for m in seq}
 
     def next_micro_step(module, args) -> None:
         # MemTracker refuses a second forward of the root module (it takes it for a new iteration);
