@@ -136,13 +136,16 @@ def pick_device(requested: str) -> torch.device:
 
 def build_model(t: Techniques, device: torch.device, compile: bool = False) -> nn.Module:
     # 1. Materialise on the device in the parameter dtype (the precision option decides how),
-    #    then load init_from's weights, if any, into it.
-    model = t.precision.materialize(t.model, device)
+    #    then load init_from's weights, if any, into it. A base the peft option stores in another
+    #    format (QLoRA's 4-bit weights) is materialised on the host and converted on its way over.
+    model = t.precision.materialize(t.model, torch.device("cpu") if t.peft.base_on_host else device)
     t.model.load_weights(model)
     adapter = t.model.adapter  # where the layers are, for every technique below
     # 1a. Parameters the techniques change (frozen, added), on the bare model, before any wrapper
     #     sees them; the analytic predictor makes the same change on its meta model.
     model = change_params(t)(model)
+    if t.peft.base_on_host:  # one tensor at a time: the device never holds the whole 16-bit base
+        model = model.to(device)
     model = t.offload.apply(model, adapter)  # hooks on the bare layers (where each layer's saved tensors begin)
     t.loss.attach(model, adapter)  # before any wrapper: the model's own forward hands its hidden states to the loss
     # 1b. Layers swapped for another number format (fp8) on the bare model, before recompute

@@ -39,6 +39,21 @@ def test_gpu_point_measures_allocator_nvml_and_mfu(tmp_path):
         assert 0 < m["mfu"] < 1
 
 
+def test_a_qlora_base_is_quantised_on_its_way_to_the_gpu_not_built_there_in_16_bits(tmp_path):
+    """QLoRA's base is built on the host and each weight quantised as it reaches the card, so the
+    allocator's peak while building is the quantised model and one 16-bit weight: built on the card,
+    an 8B base took 15 GiB there before it took 5, more than the 8 GiB card its training fits."""
+    proc = run_cli(["model=llama3.2-1b", "model.config.num_hidden_layers=4", "precision=bf16_pure", "peft=qlora",
+                    "batch_size=1", "seq_len=256", "device=cuda"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (r,) = results_under(tmp_path)
+    assert r["status"] == "ok", r["reason"]
+    m = r["metrics"]
+    largest = 2048 * 8192 * 2 / MIB  # an MLP weight in bf16: 32 MiB
+    linears = 4 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192) * 2 / MIB  # the 16-bit base: 464 MiB
+    assert m["init_peak_allocated_mib"] < m["breakdown_mib"]["params"] + largest + 16 < m["breakdown_mib"]["params"] + linears / 2
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_one_rank_on_nccl_runs_and_reports(tmp_path, parallel):
     proc = run_cli([f"parallel={parallel}", "parallel.nproc=1", "device=cuda"], tmp_path)

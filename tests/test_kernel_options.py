@@ -270,7 +270,9 @@ def test_liger_kernels_give_the_eager_layers_losses(cuda):
 @pytest.mark.parametrize("precision", ["bf16", "bf16_pure"])
 def test_liger_and_cce_peaks_are_the_analytic_models_within_10_percent(cuda, precision):
     """The analytic model's answers for loss=liger (fused, ceil(vocab / hidden) slices) and cce (one
-    token a slice) against the allocator's peak; kernels=liger lowers the peak (not predicted)."""
+    token a slice) against the allocator's peak; in pure bf16 kernels=liger lowers the peak (not
+    predicted). Under bf16 autocast its peak was 489-490 MiB above the eager layers' in two runs of
+    three (benchmarks/results/NVIDIA-H200/README.md), below in the third: not asserted there."""
     rows, base = {}, [*BIG_VOCAB, f"precision={precision}"]
     for loss in ("standard", "liger", "cce"):
         overrides = [*base, f"loss={loss}"]
@@ -282,4 +284,5 @@ def test_liger_and_cce_peaks_are_the_analytic_models_within_10_percent(cuda, pre
         real, pred = rows[loss]
         assert real < 0.8 * rows["standard"][0]
         assert pred == pytest.approx(real, rel=0.10), loss
-    assert rows["kernels=liger"][0] < rows["standard"][0]
+    if precision == "bf16_pure":
+        assert rows["kernels=liger"][0] < rows["standard"][0]

@@ -2,7 +2,6 @@
 traced step byte for byte; options it cannot follow raise Untraceable; it leaves nothing behind."""
 from __future__ import annotations
 
-import gc
 import resource
 
 import pytest
@@ -153,17 +152,17 @@ def test_a_cuda_trace_without_a_visible_gpu_is_untraceable_not_wrong(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a visible GPU")
 def test_a_cuda_trace_allocates_nothing_and_counts_fp32_params_exactly():
-    # The trace collects garbage before it starts: tensors an earlier test left in cycles would
-    # be freed inside it and read as the trace freeing memory.
-    gc.collect()
-    before = torch.cuda.memory_allocated()
+    # Counted as the allocator's requests, not its bytes: a CUDA tensor an earlier test in the same
+    # process left behind can be freed inside the trace even with garbage collected first, which a
+    # comparison of allocated bytes reads as the trace freeing memory.
+    requests = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
     p = trace(compose_spec(["model=gpt-nano", "batch_size=4", "seq_len=32", "device=cuda"]))
     # On CUDA MemTracker counts each tensor as the caching allocator stores it: rounded up to
     # 512-byte blocks (10,194,432 bytes for gpt-nano's 10,185,600: benchmarks/results/
     # NVIDIA-H100-80GB-HBM3/README.md).
     model = meta_model(["model=gpt-nano"])
     assert p.category_max_mib["params"] * 2**20 == sum(-(-q.numel() * 4 // 512) * 512 for q in model.parameters())
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == requests
 
 
 def global_state() -> dict:

@@ -39,6 +39,7 @@ class Full(Option):
     freezes_base = False  # base weights, norms, embeddings and head train
     r, dropout, train_embeddings = 0, 0.0, True
     use_dora = False  # a trained magnitude beside each adapter (DoRA)
+    base_on_host = False  # the build materialises the model on the host, not the device (QLoRA)
 
     def trains(self, part: str) -> str:
         """How a decoder layer's linear layers in `part` ("attention", "mlp") train: "full" (their
@@ -156,6 +157,11 @@ class QLoRA(LoRA):
         except ImportError as e:
             raise Invalid(f"peft=qlora needs bitsandbytes ({e}): pip install 'bitsandbytes>=0.45,<0.51'") from None
 
+    # The 16-bit base is built on the host and each weight quantised as the build moves it to the
+    # device (ablate/build.py): built on the device, an 8B base would take 15 GiB there before it
+    # took 5, and no 8 GiB card could start the run it fits once quantised.
+    base_on_host = True
+
     def quantise(self, model: nn.Module, adapter) -> None:
         """Every linear layer of the decoder layers (attention and MLP, whatever the targets, as the
         QLoRA paper quantises all of them) replaced by a 4-bit one holding the same weight."""
@@ -181,9 +187,9 @@ def _linear_4bit(linear: nn.Linear) -> nn.Module:
         q.weight = bnb.nn.Params4bit(data, requires_grad=False, compress_statistics=True, quant_type="nf4")
         q.weight.quant_state = bnb.functional.QuantState(absmax=None, shape=weight.shape, dtype=weight.dtype,
                                                          blocksize=NF4_BLOCK, quant_type="nf4")
-    else:
+    else:  # quantised by the build's move to the device (Params4bit.to), one weight at a time
         q.weight = bnb.nn.Params4bit(weight.data, requires_grad=False, compress_statistics=True,
-                                     quant_type="nf4").to(weight.device)  # `to` quantises it where it is
+                                     quant_type="nf4", module=q)
     if linear.bias is not None:
         q.bias = nn.Parameter(linear.bias.data, requires_grad=False)
     # On a CPU, bitsandbytes repacks the weight in place for its AVX-512 kernel the first time the
