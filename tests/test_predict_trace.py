@@ -123,6 +123,7 @@ def test_fsdp_rank_holds_a_shard_of_the_states(single, nproc):
     (["parallel=fsdp1", "parallel.nproc=2"], "parallel=fsdp1"),
     (["parallel=fsdp", "parallel.nproc=auto"], "parallel.nproc=auto"),
     (["offload=optimizer", "device=cuda"], "offload=optimizer"),
+    (["peft=qlora", "precision=bf16_pure"], "peft=qlora"),
     (["parallel=ddp", "parallel.nproc=2", "parallel.gradient_as_bucket_view=true"],
      "parallel.gradient_as_bucket_view=true"),
 ])

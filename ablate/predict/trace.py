@@ -97,6 +97,9 @@ def _check_traceable(t: Techniques) -> None:
     if t.parallel.grads_in_buckets:
         raise Untraceable("parallel.gradient_as_bucket_view=true: a single-process trace keeps whole "
                           "gradients that DDP would copy into its buckets")
+    if t.peft.quant_state_bytes(1):  # a quantised base: QLoRA
+        raise Untraceable(f"peft={type(t.peft).__name__.lower()}: bitsandbytes' 4-bit weights (Params4bit) "
+                          f"cannot be made of fake tensors")
     if t.offload.states_on_host:
         raise Untraceable("offload=optimizer: torchao's CPUOffloadOptimizer moves gradients with real "
                           "CUDA streams and events, which fake tensors cannot stand in for")
