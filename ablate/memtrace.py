@@ -73,7 +73,7 @@ class _CategoryTracker(MemTracker):
         self._clock = 0  # ops dispatched so far
         self._began: dict[str, int] = {}  # fqn -> _clock when its latest forward or backward began
         self._ended: dict[str, int] = {}  # fqn -> _clock when its latest backward ended
-        self.layers: set[int] = set()  # ids of the modules whose forward starts a new layer (_post_fw_hook)
+        self.layers: set[int] = set()  # ids of the modules whose forward starts a new layer (_pre_fw_hook)
 
     def _update_peak_stats(self, peak_state) -> None:  # after every op
         self._clock += 1

@@ -49,9 +49,9 @@ def test_a_qlora_base_is_quantised_on_its_way_to_the_gpu_not_built_there_in_16_b
     (r,) = results_under(tmp_path)
     assert r["status"] == "ok", r["reason"]
     m = r["metrics"]
-    largest = 2048 * 8192 * 2 / MIB  # an MLP weight in bf16: 32 MiB
-    linears = 4 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192) * 2 / MIB  # the 16-bit base: 464 MiB
-    assert m["init_peak_allocated_mib"] < m["breakdown_mib"]["params"] + largest + 16 < m["breakdown_mib"]["params"] + linears / 2
+    # The quantised model and one MLP weight in bf16 (32 MiB); built on the card, the 16-bit base of
+    # the four layers' Linears (464 MiB) would have been there whole, 348 MiB above the quantised one.
+    assert m["init_peak_allocated_mib"] < m["breakdown_mib"]["params"] + 2048 * 8192 * 2 / MIB + 16
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
