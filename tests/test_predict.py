@@ -75,17 +75,18 @@ def test_analytic_matches_memtracker(optimizer, precision, checkpoint, accumulat
 RANKS = ["model=gpt-nano", "model.vocab_size=131", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
 
 
+# Six in the default suite, the four whose setting another one extends behind `slow`.
 @pytest.mark.parametrize("parallel, overrides", [
-    ("ddp", []),
+    pytest.param("ddp", [], marks=pytest.mark.slow),
     ("ddp", ["precision=bf16", "accumulation=x4"]),
-    ("fsdp", []),
+    pytest.param("fsdp", [], marks=pytest.mark.slow),
     ("fsdp", ["precision=bf16"]),
     ("fsdp", ["precision=bf16_pure", "checkpoint=block"]),
-    ("fsdp", ["precision=bf16", "accumulation=x4"]),
+    pytest.param("fsdp", ["precision=bf16", "accumulation=x4"], marks=pytest.mark.slow),
     ("fsdp", ["precision=bf16", "accumulation=x4", "parallel.sync_each_micro_step=false"]),
     ("fsdp", ["parallel.nproc=4", "optimizer=sgd", "optimizer.momentum=0.9"]),
     ("fsdp_grad_op", ["accumulation=x4"]),
-    ("fsdp_grad_op", ["accumulation=x4", "parallel.sync_each_micro_step=false"]),
+    pytest.param("fsdp_grad_op", ["accumulation=x4", "parallel.sync_each_micro_step=false"], marks=pytest.mark.slow),
 ], ids=lambda o: ",".join(o) if isinstance(o, list) else o)
 def test_analytic_matches_a_traced_rank_of_ddp_and_fsdp(parallel, overrides):
     cfg = compose_spec([*RANKS, f"parallel={parallel}", "parallel.nproc=2", *overrides])
@@ -248,8 +249,11 @@ def build_model_family(overrides: list[str]):
     return instantiate(compose_spec(overrides).groups["model"])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure"])
-@pytest.mark.parametrize("loss", ["standard", "chunked"])
+# Each precision once in the default suite, each loss with one or two of them; the rest behind `slow`.
+@pytest.mark.parametrize("precision,loss", [
+    ("fp32", "standard"), pytest.param("fp32", "chunked", marks=pytest.mark.slow),
+    pytest.param("bf16", "standard", marks=pytest.mark.slow), ("bf16", "chunked"),
+    ("bf16_pure", "standard"), pytest.param("bf16_pure", "chunked", marks=pytest.mark.slow)])
 def test_analytic_knows_a_padded_heads_logits(precision, loss):
     """model.pad_vocab_to=128 widens gpt-nano's head from 300 to 384 rows: the analytic model moves
     with the measured peak and activations, byte for byte as far as these steps show (its error
