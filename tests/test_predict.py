@@ -75,7 +75,7 @@ def test_analytic_matches_memtracker(optimizer, precision, checkpoint, accumulat
 RANKS = ["model=gpt-nano", "model.vocab_size=131", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
 
 
-# Six in the default suite, the four whose setting another one extends behind `slow`.
+# Six in the default suite; the other four, each a neighbour of one of the six, behind `slow`.
 @pytest.mark.parametrize("parallel, overrides", [
     pytest.param("ddp", [], marks=pytest.mark.slow),
     ("ddp", ["precision=bf16", "accumulation=x4"]),
