@@ -247,8 +247,7 @@ def traced_step(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
             # What is alive now is frozen, so that each collection in the step walks only the step's
             # own objects (see _post_fw_hook). The young generations are collected first, so that
             # the last steps' garbage is not frozen with it; the old one is not: a full collection
-            # walks every object of the process (a third of a second in a test worker, most of a
-            # tiny model's traced step), and an old cycle's tensors are none MemTracker counts.
+            # walks every object of the process, and an old cycle's tensors are none MemTracker counts.
             gc.collect(1)
             gc.freeze()
             step()
