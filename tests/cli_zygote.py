@@ -3,12 +3,21 @@ every run of the CLI imports, and forks a child for each command line it is sent
 
 A run of a tiny point through the CLI costs some 11 CPU-seconds on two cores, of which the training
 is half a second; the command's own imports (torch, Hydra, ablate's job and prediction modules) are
-about 4 of them. `make test` runs the CLI some ninety times, `make test-slow` more, so
-`helpers.run_cli` sends its command lines here instead. Each child runs the command as `python -m ablate` does (`runpy`, with the
-module as `__main__`, the arguments in `sys.argv`, the environment, working directory and output
-files of the call) and exits as that interpreter would: its exit status and output are the
-command's. It differs from a fresh interpreter only in what the imports did before the fork: no
-threads, no CUDA, no Hydra state (composition starts in the child).
+about 4 of them, its point worker's (torch again, and MemTracker's modules) about 6. `make test`
+runs the CLI some ninety times, `make test-slow` more, so `helpers.run_cli` sends its command lines
+here instead. Each child runs the command as `python -m ablate` does (`runpy`, with the module as
+`__main__`, the arguments in `sys.argv`, the environment, working directory and output files of
+the call) and exits as that interpreter would: its exit status and output are the command's. It
+differs from a fresh interpreter only in what the imports did before the fork: no threads, no
+CUDA, no Hydra state (composition starts in the child).
+
+The command's worker server (launch/warm_start.py) is such a fork too: as the command starts, before
+it does anything, it forks a spare (`_Spare`), which waits; the first `prestart` that would start
+`python -m <worker module> --wait FD` hands the spare that command line, its environment and its
+pipes instead, and the spare runs the module as that interpreter would. Like a started server it
+is the command's child, in a session of its own, with its output nowhere, and dies with the
+command. A second server (another environment), a submitit job's one-point worker, and any start
+the spare cannot stand for start a fresh interpreter, as they would anyway.
 
 `run` is the tests' side: one server per test process, started on first use and gone with that
 process (its stdin closes). A call made while another thread's command runs, one whose environment
@@ -20,14 +29,20 @@ ended it).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import io
 import json
 import os
 import runpy
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import types
 from pathlib import Path
 
 from launch.warm_start import SET_BY_IMPORTS, _Lines
@@ -106,6 +121,8 @@ def _preload() -> None:
 
     import ablate.job  # noqa: F401  (torch, the results, the launch of a worker)
     import ablate.outcome  # noqa: F401  (validation, prediction, the batch search)
+    import ablate.worker  # noqa: F401  (the point's worker, MemTracker's modules: for _Spare)
+    import launch.torchrun  # noqa: F401  (the ranks' launcher, a worker too)
     import launch  # noqa: F401  (ablate's launchers and sweepers, found by the scan)
     from ablate.command_line import unknown_key  # noqa: F401
 
@@ -134,6 +151,122 @@ def _serve(reply: int) -> dict | None:
         os.write(reply, f"{os.waitstatus_to_exitcode(status)}\n".encode())
 
 
+class _Adopted:
+    """What warm_start asks of the subprocess.Popen of a server, for the spare that became one: it
+    is this process's child, so it is waited for as a started one is."""
+
+    def __init__(self, args: list[str], pid: int, stdin) -> None:
+        self.args, self.pid, self.stdin, self.returncode = args, pid, stdin, None
+        self._ended = os.pidfd_open(pid)  # readable once the process has exited
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                os.close(self._ended)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not select.select([self._ended], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.poll()  # it has exited: reaped now
+
+
+class _Spare:
+    """A child of the command, forked before the command does anything, that becomes the worker
+    server the command's first `prestart` would start as `python -m MODULE ... --wait FD`."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+        ours, theirs = socket.socketpair()
+        self.pid = os.fork()
+        if self.pid == 0:
+            ours.close()
+            self._wait(theirs)  # never returns
+        theirs.close()
+        self.sock, self.used = ours, False
+
+    def stands_for(self, args: list[str], kwargs: dict) -> bool:
+        """Whether the server `subprocess.Popen(args, **kwargs)` starts is one this spare becomes:
+        a module of this interpreter with a reply pipe (not a one-point worker), to start in a
+        session of its own with output nowhere, with an environment that starts alike."""
+        from launch.local import _die_with_parent  # what the spare does itself as it starts
+        from launch.warm_start import WAIT_FLAG
+
+        env = kwargs.get("env") or {}
+        keys = {k for k in (*env, *self.env) if k.startswith(_AT_START)} - {"PYTHONUNBUFFERED", *SET_BY_IMPORTS}
+        return (not self.used and args[:2] == [sys.executable, "-m"] and len(kwargs.get("pass_fds", ())) == 1
+                and args[-2:] == [WAIT_FLAG, str(kwargs["pass_fds"][0])] and kwargs.get("start_new_session")
+                and kwargs.get("preexec_fn") in (None, _die_with_parent)
+                and kwargs.get("stdin") == subprocess.PIPE and kwargs.get("stdout") == subprocess.DEVNULL
+                and kwargs.get("stderr") == subprocess.DEVNULL and all(env.get(k) == self.env.get(k) for k in keys))
+
+    def start(self, args: list[str], kwargs: dict) -> _Adopted:
+        self.used = True
+        read, write = os.pipe()
+        go = {"args": args, "env": kwargs["env"], "cwd": os.getcwd()}
+        socket.send_fds(self.sock, [json.dumps(go).encode()], [read, kwargs["pass_fds"][0]])
+        os.close(read)
+        self.sock.close()
+        return _Adopted(args, self.pid, os.fdopen(write, "wb"))
+
+    @staticmethod
+    def _wait(sock: socket.socket) -> None:
+        """In the spare: from the start what a started server is to the command (a session of its
+        own, its output nowhere, dead with the command), it waits for the go or the command's end,
+        then runs the server's module."""
+        os.setsid()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        chunks, fds = [], []
+        while True:
+            data, got, _, _ = socket.recv_fds(sock, 1 << 20, 2)
+            fds += got
+            if not data:
+                break
+            chunks.append(data)
+        if not fds:  # the command ended without wanting a server
+            os._exit(0)
+        go = json.loads(b"".join(chunks))
+        stdin, reply = fds
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        # A fresh interpreter's standard streams under PYTHONUNBUFFERED, which the worker's environment sets
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+        os.chdir(go["cwd"])
+        os.environ.clear()
+        os.environ.update(go["env"])
+        module, *rest = go["args"][2:]
+        sys.argv = ["-m", *rest[:-1], str(reply)]  # runpy puts the module's path in argv[0], as -m does
+        try:
+            runpy._run_module_as_main(module)
+        except SystemExit as e:
+            os._exit(e.code if isinstance(e.code, int) else 1)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+
+
+def _with_spare() -> None:
+    """This command's first worker server, when it is one the spare stands for, is the spare."""
+    from launch import warm_start
+
+    spare, popen = _Spare(), subprocess.Popen
+
+    def start(args, **kwargs):
+        return spare.start(list(args), kwargs) if spare.stands_for(list(args), kwargs) else popen(args, **kwargs)
+    warm_start.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": start})
+
+
 def _become(request: dict) -> None:
     """This process is now `python -m ablate ARGS` run in `cwd` with `env`, its output in files."""
     null = os.open(os.devnull, os.O_RDONLY)
@@ -155,6 +288,7 @@ if __name__ == "__main__":
     if command is None:
         sys.exit(0)
     _become(command)
+    _with_spare()
     # What `python -m ablate` runs: ablate/__main__.py as the __main__ module. A SystemExit or an
     # exception leaves through the interpreter's own exit, as from that command.
     runpy._run_module_as_main("ablate")

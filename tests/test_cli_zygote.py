@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -52,3 +53,48 @@ def test_a_command_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(
         cli_zygote.run(args, {**os.environ, "ABLATE_FAULT": "hang"}, ROOT, timeout=3)
     # the command's process is gone, and with it its worker (PR_SET_PDEATHSIG)
     assert not psutil.Process(cli_zygote._server.proc.pid).children(recursive=True)
+
+
+def test_a_commands_worker_is_forked_from_its_spare_and_ends_as_a_started_one_would(tmp_path):
+    """The command's point worker server is its spare (the hung point's stacks, written on the
+    timeout, run through it), and it ends as a started server does: a timeout row naming where the
+    point hung, and no process of it left once the command has exited."""
+    proc = cli_zygote.run([f"out_dir={tmp_path}", "timeout_s=4", *fast_defaults([])],
+                          {**os.environ, "ABLATE_FAULT": "hang"}, ROOT, 300)
+    assert proc.returncode == 1, proc.stderr
+    (row,) = results_under(tmp_path)
+    assert row["status"] == "timeout" and "in inject_fault" in row["reason"]
+    stacks = next(tmp_path.rglob("worker.log")).read_text()
+    assert "tests/cli_zygote.py" in stacks and " in _wait" in stacks, stacks
+    assert not spares_left()
+
+
+def test_a_spare_no_server_was_asked_of_goes_with_its_command(tmp_path):
+    proc = cli_zygote.run([f"out_dir={tmp_path}", "predict_only=true", *fast_defaults([])], dict(os.environ), ROOT, 300)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["status"] for r in results_under(tmp_path)] == ["predicted"]
+    assert not spares_left()
+
+
+def spares_left(wait_s: float = 30) -> list:
+    """The spares still alive `wait_s` after the last command (none, at once, where all went)."""
+    zygote = cli_zygote._server.proc.pid
+    deadline = time.monotonic() + wait_s
+    while spares(zygote) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return spares(zygote)
+
+
+def spares(zygote: int) -> list:
+    """This test process's live forks of its zygote other than the zygote itself: a spare shares
+    its command line and its environment as it started."""
+    mine = os.environ.get("PYTEST_XDIST_WORKER")
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if (p.pid != zygote and "tests.cli_zygote" in " ".join(p.info["cmdline"] or [])
+                    and p.info["status"] != psutil.STATUS_ZOMBIE and p.environ().get("PYTEST_XDIST_WORKER") == mine):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found

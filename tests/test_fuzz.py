@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
+import os
 import tempfile
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from ablate.command_line import unknown_key
 from ablate.schema import GROUPS, OVERLAYS, option_keys, options
 from helpers import ROOT, compose_config
 from launch.start_checks import check_writable
+from tests import cli_zygote
 
 RUN_KEYS = ("batch_size", "seq_len", "steps", "warmup_steps", "eval_steps", "samples", "seed", "compile", "device", "peak_tflops",
             "timeout_s", "alloc_conf", "gpu_memory_gib", "prune", "prune_margin", "find_batch", "predict",
@@ -172,8 +172,7 @@ def cli(args: list[str], out_dir, extra: list[str]) -> None:
     it ran or was planned, 1 when it did not end ok), or, with no row, exit 1 with a message and
     no traceback."""
     args = _dedupe(args)
-    proc = subprocess.run([sys.executable, "-m", "ablate", *SMALL, *extra, *args, f"out_dir={out_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = cli_zygote.run([*SMALL, *extra, *args, f"out_dir={out_dir}"], dict(os.environ), ROOT, timeout=600)
     assert "Traceback" not in proc.stderr + proc.stdout, (args, proc.stderr[-3000:])
     rows = [json.loads(p.read_text()) for p in out_dir.rglob("result.json")]
     if not rows:  # a command line it refused
