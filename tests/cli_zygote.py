@@ -14,15 +14,18 @@ CUDA, no Hydra state (composition starts in the child).
 The command's worker server (launch/warm_start.py) is such a fork too: as the command starts, before
 it does anything, it forks a spare (`_Spare`), which waits; the first `prestart` that would start
 `python -m <worker module> --wait FD` hands the spare that command line, its environment and its
-pipes instead, and the spare runs the module as that interpreter would. Like a started server it
-is the command's child, in a session of its own, with its output nowhere, and dies with the
-command. A second server (another environment), a submitit job's one-point worker, and any start
-the spare cannot stand for start a fresh interpreter, as they would anyway.
+pipes instead, and the spare runs the module as that interpreter would, torch imported already.
+MemTracker's modules it imports itself: imported in the zygote, their objects would be torn down
+at the exit of every command, most of which launch no worker. Like a started server it is the command's child, in a session of its own, with its output
+nowhere, and dies with the command. A second server (another environment), a submitit job's
+one-point worker, and any start the spare cannot stand for start a fresh interpreter, as they
+would anyway.
 
-`run` is the tests' side: one server per test process, started on first use and gone with that
-process (its stdin closes). A call made while another thread's command runs, one whose environment
-differs in what an interpreter reads as it starts (a sitecustomize on PYTHONPATH), and every call
-under ABLATE_TEST_CLI=fresh, start a fresh interpreter instead. Protocol: a JSON line per command on the
+`run` is the tests' side: a server per test process, started on first use and gone with that
+process (its stdin closes), and a second while two of its threads run commands at once. A call
+whose environment differs in what an interpreter reads as it starts (a sitecustomize on
+PYTHONPATH), one made while both servers are busy, and every call under ABLATE_TEST_CLI=fresh
+start a fresh interpreter instead. Protocol: a JSON line per command on the
 server's stdin ({"args", "env", "cwd", "out", "err"}); its reply pipe (fd given on its command line)
 gets the child's pid, then its exit code as subprocess reports one (negative: the signal that
 ended it).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import json
 import os
@@ -58,7 +62,7 @@ _AT_START = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_")
 
 class _Server:
     def __init__(self) -> None:
-        self.env = dict(os.environ)
+        self.env, self.busy = dict(os.environ), False
         read, write = os.pipe()
         self.log = tempfile.TemporaryFile()  # what the server itself printed, for a server that died
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_zygote", str(write)], cwd=ROOT,
@@ -94,24 +98,40 @@ class _Server:
             return subprocess.CompletedProcess(cmd, int(code), out.read_text(), err.read_text())
 
 
-_server: _Server | None = None
+# This test process's servers: a second starts only while a thread of it runs a command beside
+# another's (a test that runs two at once), and stays for the next such test.
+_servers: list[_Server] = []
 _lock = threading.Lock()
+MOST = 2
+
+
+def _idle_server(env: dict) -> _Server | None:
+    """A server of this process's environment, idle, for a command with `env`, marked busy (one
+    started where none is idle and fewer than MOST run); None where the command's start differs
+    from theirs."""
+    with _lock:
+        _servers[:] = [s for s in _servers if s.proc.poll() is None]
+        server = next((s for s in _servers if not s.busy), None)
+        if server is None and len(_servers) < MOST:
+            server = _Server()
+            _servers.append(server)
+        if server is None or not server.starts_alike(env):
+            return None
+        server.busy = True
+        return server
 
 
 def run(args: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python -m ablate ARGS` in `cwd` with the whole environment `env`, its output captured as
     text; subprocess.run's result, and its TimeoutExpired."""
-    global _server
-    if os.environ.get("ABLATE_TEST_CLI") != "fresh" and _lock.acquire(blocking=False):
-        try:
-            if _server is None or _server.proc.poll() is not None:
-                _server = _Server()
-            if _server.starts_alike(env):
-                return _server.run(args, env, cwd, timeout)
-        finally:
-            _lock.release()
-    return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    server = _idle_server(env) if os.environ.get("ABLATE_TEST_CLI") != "fresh" else None
+    if server is None:
+        return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    try:
+        return server.run(args, env, cwd, timeout)
+    finally:
+        server.busy = False
 
 
 def _preload() -> None:
@@ -121,12 +141,14 @@ def _preload() -> None:
 
     import ablate.job  # noqa: F401  (torch, the results, the launch of a worker)
     import ablate.outcome  # noqa: F401  (validation, prediction, the batch search)
-    import ablate.worker  # noqa: F401  (the point's worker, MemTracker's modules: for _Spare)
-    import launch.torchrun  # noqa: F401  (the ranks' launcher, a worker too)
     import launch  # noqa: F401  (ablate's launchers and sweepers, found by the scan)
     from ablate.command_line import unknown_key  # noqa: F401
 
     Plugins.instance()
+    # Frozen, what the imports made is never walked by a child's collections, nor written to by them
+    # (which would copy its pages into every child), as the worker server does before it forks.
+    gc.collect()
+    gc.freeze()
 
 
 def _serve(reply: int) -> dict | None:

@@ -1,12 +1,14 @@
 """The tests' `python -m ablate` (tests/cli_zygote.py, a child forked from a process that did the
 command's imports) is the command: the same exit status, output and run as a fresh interpreter's,
-and subprocess.run's timeout."""
+and subprocess.run's timeout. Its point's worker server, a spare forked as the command starts,
+ends as a started one does, and two threads' commands at once each run forked."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
@@ -52,7 +54,7 @@ def test_a_command_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(
     with pytest.raises(subprocess.TimeoutExpired):
         cli_zygote.run(args, {**os.environ, "ABLATE_FAULT": "hang"}, ROOT, timeout=3)
     # the command's process is gone, and with it its worker (PR_SET_PDEATHSIG)
-    assert not psutil.Process(cli_zygote._server.proc.pid).children(recursive=True)
+    assert not [c for s in cli_zygote._servers for c in psutil.Process(s.proc.pid).children(recursive=True)]
 
 
 def test_a_commands_worker_is_forked_from_its_spare_and_ends_as_a_started_one_would(tmp_path):
@@ -69,6 +71,21 @@ def test_a_commands_worker_is_forked_from_its_spare_and_ends_as_a_started_one_wo
     assert not spares_left()
 
 
+def test_two_threads_commands_at_once_each_run_in_a_fork(tmp_path):
+    """A test that runs two commands at once (a pool of two threads) gets a second server: both
+    commands, each holding its point past a timeout, run forked, workers and all."""
+    def hung(name: str) -> subprocess.CompletedProcess:
+        return cli_zygote.run([f"out_dir={tmp_path / name}", "timeout_s=4", *fast_defaults([])],
+                              {**os.environ, "ABLATE_FAULT": "hang"}, ROOT, 300)
+    with ThreadPoolExecutor(2) as pool:
+        assert [p.returncode for p in pool.map(hung, ["a", "b"])] == [1, 1]
+    assert len(cli_zygote._servers) == 2
+    for name in ("a", "b"):
+        assert [r["status"] for r in results_under(tmp_path / name)] == ["timeout"]
+        assert " in _wait" in next((tmp_path / name).rglob("worker.log")).read_text()
+    assert not spares_left()
+
+
 def test_a_spare_no_server_was_asked_of_goes_with_its_command(tmp_path):
     proc = cli_zygote.run([f"out_dir={tmp_path}", "predict_only=true", *fast_defaults([])], dict(os.environ), ROOT, 300)
     assert proc.returncode == 0, proc.stderr
@@ -78,21 +95,21 @@ def test_a_spare_no_server_was_asked_of_goes_with_its_command(tmp_path):
 
 def spares_left(wait_s: float = 30) -> list:
     """The spares still alive `wait_s` after the last command (none, at once, where all went)."""
-    zygote = cli_zygote._server.proc.pid
+    zygotes = {s.proc.pid for s in cli_zygote._servers}
     deadline = time.monotonic() + wait_s
-    while spares(zygote) and time.monotonic() < deadline:
+    while spares(zygotes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return spares(zygote)
+    return spares(zygotes)
 
 
-def spares(zygote: int) -> list:
-    """This test process's live forks of its zygote other than the zygote itself: a spare shares
-    its command line and its environment as it started."""
+def spares(zygotes: set[int]) -> list:
+    """This test process's live forks of its zygotes other than the zygotes themselves: a spare
+    shares their command line and their environment as they started."""
     mine = os.environ.get("PYTEST_XDIST_WORKER")
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if (p.pid != zygote and "tests.cli_zygote" in " ".join(p.info["cmdline"] or [])
+            if (p.pid not in zygotes and "tests.cli_zygote" in " ".join(p.info["cmdline"] or [])
                     and p.info["status"] != psutil.STATUS_ZOMBIE and p.environ().get("PYTEST_XDIST_WORKER") == mine):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from ablate.groups import OFF, TECHNIQUE_GROUPS
 from ablate.schema import GROUPS
 from helpers import CONF, FAST, ROOT, results_under
+from tests import cli_zygote
 
 # Every technique group but parallel, whose options start several ranks each (tests/test_parallel.py).
 # On a CPU these can only be invalid rows, each for a stated reason.
@@ -52,10 +52,8 @@ def sweeps(tmp_path_factory):
     def sweep(group: str) -> subprocess.CompletedProcess:
         options = ",".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")
                                   if p.stem not in SLOW_OPTIONS.get(group, ())))
-        cmd = [sys.executable, "-m", "ablate", "-m", f"{group}={options}", *FAST, "batch_size=8",
-               *EXTRA.get(group, []), f"out_dir={out}", f"hydra.sweep.dir={out}/{group}"]
-        return subprocess.run(cmd, cwd=ROOT, env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+        return cli_zygote.run(["-m", f"{group}={options}", *FAST, "batch_size=8", *EXTRA.get(group, []),
+                               f"out_dir={out}", f"hydra.sweep.dir={out}/{group}"], ONE_THREAD, ROOT, 1800)
 
     # Five multiruns, one per group, two at a time on two cores; a pool rather than fixed pairs, so
     # a short group does not leave a core idle while its partner finishes. One intra-op thread per
@@ -65,7 +63,7 @@ def sweeps(tmp_path_factory):
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = dict(zip(SWEPT, pool.map(sweep, SWEPT)))
     for group, proc in done.items():
-        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
@@ -81,10 +79,9 @@ def test_every_option_is_ok_or_invalid_with_a_reason(sweeps, group):
 @pytest.mark.parametrize("group", SLOW_OPTIONS)
 def test_every_slow_option_is_ok_or_invalid_with_a_reason(group, tmp_path):
     options = [o for o in SLOW_OPTIONS[group] if o not in ELSEWHERE.get(group, ())]
-    cmd = [sys.executable, "-m", "ablate", "-m", f"{group}={','.join(options)}", *FAST, "batch_size=8",
-           *EXTRA.get(group, []), f"out_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/{group}"]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    proc = cli_zygote.run(["-m", f"{group}={','.join(options)}", *FAST, "batch_size=8", *EXTRA.get(group, []),
+                           f"out_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/{group}"], dict(os.environ), ROOT, 1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["choices"][group]: r for r in results_under(tmp_path / group)}
     assert set(rows) == set(options)
     ok_or_invalid(group, rows)
