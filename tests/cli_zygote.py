@@ -8,30 +8,29 @@ runs the CLI some ninety times, `make test-slow` more, so `helpers.run_cli` send
 here instead. Each child runs the command as `python -m ablate` does (`runpy`, with the module as
 `__main__`, the arguments in `sys.argv`, the environment, working directory and output files of
 the call) and exits as that interpreter would: its exit status and output are the command's. It
-differs from a fresh interpreter only in what the imports did before the fork: no threads, no
-CUDA, no Hydra state (composition starts in the child).
+differs from a fresh interpreter only in what the imports did before the fork (no threads, no
+CUDA, no Hydra state: composition starts in the child), and in leaving its heap to the kernel as
+it exits (`_run_and_exit`).
 
 The command's worker server (launch/warm_start.py) is such a fork too: as the command starts, before
 it does anything, it forks a spare (`_Spare`), which waits; the first `prestart` that would start
 `python -m <worker module> --wait FD` hands the spare that command line, its environment and its
-pipes instead, and the spare runs the module as that interpreter would, torch imported already.
-MemTracker's modules it imports itself: imported in the zygote, their objects would be torn down
-at the exit of every command, most of which launch no worker. Like a started server it is the command's child, in a session of its own, with its output
-nowhere, and dies with the command. A second server (another environment), a submitit job's
-one-point worker, and any start the spare cannot stand for start a fresh interpreter, as they
-would anyway.
+pipes instead, and the spare runs the module as that interpreter would, its imports done. Like a
+started server it is the command's child, in a session of its own, with its output nowhere, and
+dies with the command. A second server (another environment), a submitit job's one-point worker,
+and any start the spare cannot stand for start a fresh interpreter, as they would anyway.
 
 `run` is the tests' side: a server per test process, started on first use and gone with that
 process (its stdin closes), and a second while two of its threads run commands at once. A call
 whose environment differs in what an interpreter reads as it starts (a sitecustomize on
 PYTHONPATH), one made while both servers are busy, and every call under ABLATE_TEST_CLI=fresh
-start a fresh interpreter instead. Protocol: a JSON line per command on the
-server's stdin ({"args", "env", "cwd", "out", "err"}); its reply pipe (fd given on its command line)
-gets the child's pid, then its exit code as subprocess reports one (negative: the signal that
-ended it).
+start a fresh interpreter instead. Protocol: a JSON line per command on the server's stdin
+({"args", "env", "cwd", "out", "err"}); its reply pipe (fd given on its command line) gets the
+child's pid, then its exit code as subprocess reports one (negative: the signal that ended it).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -46,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 import types
 from pathlib import Path
 
@@ -141,6 +141,8 @@ def _preload() -> None:
 
     import ablate.job  # noqa: F401  (torch, the results, the launch of a worker)
     import ablate.outcome  # noqa: F401  (validation, prediction, the batch search)
+    import ablate.worker  # noqa: F401  (the point's worker and MemTracker's modules, for _Spare)
+    import launch.torchrun  # noqa: F401  (the ranks' launcher, a worker too)
     import launch  # noqa: F401  (ablate's launchers and sweepers, found by the scan)
     from ablate.command_line import unknown_key  # noqa: F401
 
@@ -304,6 +306,39 @@ def _become(request: dict) -> None:
     sys.argv = ["-m", *request["args"]]  # runpy puts the module's path in argv[0], as -m does
 
 
+def _run_and_exit() -> None:
+    """Run `python -m ablate` (ablate/__main__.py as the __main__ module) and exit as that
+    interpreter would: its threads joined, its atexit functions run, its output flushed, and the
+    exit status a SystemExit, an exception (its traceback printed) or Ctrl-C gives. What it skips
+    is the teardown of the heap, which a process's exit leaves to the kernel: the zygote's imports
+    (torch's, transformers', MemTracker's), walked and freed object by object at every command's
+    exit, each object's page copied from the zygote's before it is freed."""
+    try:
+        runpy._run_module_as_main("ablate")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # what the interpreter's own exit does first: private, but its own
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError, AttributeError):  # and what C code printed through libc's buffers
+        ctypes.CDLL(None).fflush(None)
+    if code == -signal.SIGINT:  # as the interpreter ends after an uncaught KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
 if __name__ == "__main__":
     _preload()
     command = _serve(int(sys.argv[1]))
@@ -311,6 +346,4 @@ if __name__ == "__main__":
         sys.exit(0)
     _become(command)
     _with_spare()
-    # What `python -m ablate` runs: ablate/__main__.py as the __main__ module. A SystemExit or an
-    # exception leaves through the interpreter's own exit, as from that command.
-    runpy._run_module_as_main("ablate")
+    _run_and_exit()
