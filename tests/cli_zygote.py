@@ -268,16 +268,7 @@ class _Spare:
         os.environ.update(go["env"])
         module, *rest = go["args"][2:]
         sys.argv = ["-m", *rest[:-1], str(reply)]  # runpy puts the module's path in argv[0], as -m does
-        try:
-            runpy._run_module_as_main(module)
-        except SystemExit as e:
-            os._exit(e.code if isinstance(e.code, int) else 1)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-            os._exit(1)
-        os._exit(0)
+        os._exit(_run(module) & 0xFF)  # the worker's own exit skips the teardown too (ablate/worker.py)
 
 
 def _with_spare() -> None:
@@ -306,26 +297,33 @@ def _become(request: dict) -> None:
     sys.argv = ["-m", *request["args"]]  # runpy puts the module's path in argv[0], as -m does
 
 
-def _run_and_exit() -> None:
-    """Run `python -m ablate` (ablate/__main__.py as the __main__ module) and exit as that
-    interpreter would: its threads joined, its atexit functions run, its output flushed, and the
-    exit status a SystemExit, an exception (its traceback printed) or Ctrl-C gives. What it skips
-    is the teardown of the heap, which a process's exit leaves to the kernel: the zygote's imports
-    (torch's, transformers', MemTracker's), walked and freed object by object at every command's
-    exit, each object's page copied from the zygote's before it is freed."""
+def _run(module: str) -> int:
+    """`python -m MODULE` in this process (runpy, the module as __main__): the exit status the
+    interpreter would give it for a SystemExit or an exception (its traceback printed), and
+    -SIGINT for Ctrl-C."""
     try:
-        runpy._run_module_as_main("ablate")
-        code = 0
+        runpy._run_module_as_main(module)
+        return 0
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
-        if not isinstance(stop.code, (int, type(None))):
-            print(stop.code, file=sys.stderr)
+        if isinstance(stop.code, int) or stop.code is None:
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         traceback.print_exc()
-        code = -signal.SIGINT
+        return -signal.SIGINT
     except BaseException:
         sys.excepthook(*sys.exc_info())
-        code = 1
+        return 1
+
+
+def _run_and_exit() -> None:
+    """Run `python -m ablate` and exit as that interpreter would: its threads joined, its atexit
+    functions run, its output flushed, and its exit status. What it skips is the teardown of the
+    heap, which a process's exit leaves to the kernel: the zygote's imports (torch's,
+    transformers', MemTracker's), walked and freed object by object at every command's exit, each
+    object's page copied from the zygote's before it is freed."""
+    code = _run("ablate")
     threading._shutdown()  # what the interpreter's own exit does first: private, but its own
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
