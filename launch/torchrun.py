@@ -1,5 +1,5 @@
 """`python -m launch.torchrun <spec.json>`: every rank of one grid point through torchrun's own
-launcher (torch.distributed's elastic agent), and a structured report of which rank failed first.
+launcher (torch.distributed's elastic agent), and a structured report of every rank that failed.
 
 Run as the job's child instead of the `torchrun` script so that a failure comes back as torch's
 ChildFailedError (rank, exit code) rather than as text on stderr. The ranks are forked from this
@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
 
 from ablate import worker
-from ablate.events import EventWriter
+from ablate.events import EventReader, EventWriter
 from launch import cpus, environ, warm_start
 
 RDZV_PORT_BASE = 29400  # multi-node: port on the first node, offset by the SLURM job id
@@ -53,11 +54,58 @@ def threads_per_rank(nproc: int) -> int:
     return max(1, len(cpus.allowed()) // nproc)  # a SLURM allocation's, a gpu_pool point's share
 
 
+class RankEnds:
+    """How each of this node's ranks ended, seen by this launcher as each one ends.
+
+    torch's agent reports one failed rank: the first whose end it finds at its next poll. When a
+    rank is killed and a peer then fails on the broken connection before that poll, both have ended
+    and the peer, first in rank order, is the one reported; the killed rank, the root cause, is not.
+    So while the ranks run, every SIGCHLD looks at each rank (its pid from its "started" event)
+    without reaping it (WNOWAIT: the agent still reaps its own), and notes its exit code. Python runs
+    the handler in the main thread, the one the agent reaps in, before that thread's next bytecode:
+    a rank's end is always seen before the agent can reap it."""
+
+    def __init__(self, run_dir: str, host: str):
+        self._events = EventReader(run_dir)
+        self._host = host
+        self._pids: dict[int, int] = {}  # rank -> pid, this node's ranks that have started
+        self.ends: dict[int, dict] = {}  # rank -> {"rank", "exitcode" (-signal if killed), "t"}
+
+    def __enter__(self) -> RankEnds:
+        self._previous = signal.signal(signal.SIGCHLD, self._on_child)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGCHLD, self._previous)
+
+    def _on_child(self, signum, frame) -> None:
+        self._pids.update({e["rank"]: e["pid"] for e in self._events.read_new()
+                           if e["event"] == "started" and e.get("host") == self._host})
+        for rank, pid in self._pids.items():
+            if rank in self.ends:
+                continue
+            try:
+                end = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # reaped already, or another node's pid on a shared hostname
+                continue
+            if end is not None:
+                killed = end.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+                self.ends[rank] = {"rank": rank, "exitcode": -end.si_status if killed else end.si_status,
+                                   "t": time.time()}
+
+    def failures(self, reported: ChildFailedError) -> list[dict]:
+        """Every rank that failed, in the order they ended: torch's report with what was seen here."""
+        failed = {r: {"rank": r, "exitcode": f.exitcode, "t": f.timestamp} for r, f in reported.failures.items()}
+        failed.update({r: end for r, end in self.ends.items() if end["exitcode"] != 0})
+        return [{"rank": f["rank"], "exitcode": f["exitcode"]} for f in sorted(failed.values(), key=lambda f: f["t"])]
+
+
 def rank_main(spec_path: str) -> None:
     """One rank, forked from this launcher: the worker's main, its failure as the rank's exit code."""
     # The signal handlers a new interpreter starts with: the elastic agent's (a SIGTERM stops its
-    # ranks) came with the fork, and a rank told to stop stops, as torchrun's own ranks do.
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    # ranks) and the launcher's RankEnds came with the fork, and a rank told to stop stops, as
+    # torchrun's own ranks do.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # torch read OMP_NUM_THREADS once, when this launcher imported it; a new interpreter would read
@@ -91,13 +139,13 @@ def main(spec_path: str) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(parallel["nproc"])))
     config = launch_config([*rendezvous_args(parallel["nproc"], parallel["nodes"]), "--monitor-interval=0.2"])
     gc.freeze()  # what this process holds, the ranks' collections never walk (as launch/warm_start.py's)
+    host = socket.gethostname()
     try:
-        elastic_launch(config, rank_main)(spec_path)
+        with RankEnds(spec["run_dir"], host) as ends:
+            elastic_launch(config, rank_main)(spec_path)
         return 0
     except ChildFailedError as exc:  # every failed rank: which died of a signal tells the root cause
-        failed = sorted(exc.failures.items(), key=lambda item: item[1].timestamp)
-        EventWriter(spec["run_dir"]).emit("launcher", host=socket.gethostname(),  # one per node
-                                          failures=[{"rank": r, "exitcode": f.exitcode} for r, f in failed])
+        EventWriter(spec["run_dir"]).emit("launcher", host=host, failures=ends.failures(exc))  # one per node
         return 1
 
 

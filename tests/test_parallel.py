@@ -2,10 +2,18 @@
 batch, per-rank metrics, and a failing rank named in its row."""
 from __future__ import annotations
 
-import pytest
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
 
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from ablate.events import EventWriter
 from helpers import results_under, run_cli
-from launch.torchrun import threads_per_rank
+from launch.torchrun import RankEnds, threads_per_rank
 
 RUNS = 5  # warm-up 2 + measured 3 steps (tests/helpers.py FAST)
 # SGD for the equivalence runs: Adam divides by the root of the second moment, which turns the
@@ -155,3 +163,36 @@ def test_each_rank_gets_its_share_of_the_cpus_not_torchruns_one_thread(monkeypat
         spec.write_text(json.dumps({"config": {"parallel": {"nproc": nproc, "nodes": 1}}, "run_dir": str(tmp_path)}))
         assert launcher.main(str(spec)) == 0
         assert seen[-1] == (want, nproc)
+
+
+def _rank(run_dir, rank, connection, fate):
+    """A stand-in rank: says it started, as the worker does, then meets its fate: killed, or
+    failing once its peer's end of their connection (a pipe) closes."""
+    EventWriter(run_dir, rank).emit("started", pid=os.getpid(), host=socket.gethostname())
+    if fate == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.close(connection[1])
+    os.read(connection[0], 1)  # returns once no one else holds the write end
+    os._exit(1)
+
+
+def test_a_killed_rank_is_named_even_when_its_peer_fails_before_the_agent_looks(tmp_path):
+    """torch's agent reports the first failed rank it finds at a poll: when the killed rank and the
+    peer that failed on its absence have both ended by then, that is the peer. The launcher's own
+    record of each rank's end names both, the killed one first."""
+    ctx = multiprocessing.get_context("fork")
+    connection = os.pipe()
+    with RankEnds(str(tmp_path), socket.gethostname()) as ends:
+        peer = ctx.Process(target=_rank, args=(tmp_path, 0, connection, "failed"))
+        peer.start()
+        killed = ctx.Process(target=_rank, args=(tmp_path, 1, connection, "killed"))
+        killed.start()
+        os.close(connection[1])
+        waiting = {peer.sentinel, killed.sentinel}
+        while waiting:  # both end before anything reaps them, as when they end between two polls
+            waiting -= set(multiprocessing.connection.wait(waiting, timeout=30) or waiting)
+        peer.join(), killed.join()
+    assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+    os.close(connection[0])
+    reported = ChildFailedError("ablate", {0: ProcessFailure(0, peer.pid, 1, "")})  # torch's one failure
+    assert ends.failures(reported) == [{"rank": 1, "exitcode": -signal.SIGKILL}, {"rank": 0, "exitcode": 1}]
