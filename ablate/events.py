@@ -9,7 +9,7 @@ SIGKILL), and so that the worker's own stdout/stderr stay a plain log. Events:
   {"event": "started", "pid": int, "host": str}   (from every rank: lets the job attribute NVML
                                                    memory to ranks, and name a lost rank's node)
   {"event": "launcher", "host": str, "failures": [{"rank": r, "exitcode": int}, ...]}
-                           (each node's failed ranks in the order they ended, from its launcher)
+                           (each node's failed ranks, in the order its launcher saw them end)
 Every event carries "rank" and "t" (time.time() when it was written).
 """
 from __future__ import annotations

@@ -81,6 +81,7 @@ class RankEnds:
     def _on_child(self, signum, frame) -> None:
         self._pids.update({e["rank"]: e["pid"] for e in self._events.read_new()
                            if e["event"] == "started" and e.get("host") == self._host})
+        now = time.time()
         for rank, pid in self._pids.items():
             if rank in self.ends:
                 continue
@@ -90,14 +91,16 @@ class RankEnds:
                 continue
             if end is not None:
                 killed = end.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-                self.ends[rank] = {"rank": rank, "exitcode": -end.si_status if killed else end.si_status,
-                                   "t": time.time()}
+                self.ends[rank] = {"rank": rank, "exitcode": -end.si_status if killed else end.si_status, "t": now}
 
     def failures(self, reported: ChildFailedError) -> list[dict]:
-        """Every rank that failed, in the order they ended: torch's report with what was seen here."""
-        failed = {r: {"rank": r, "exitcode": f.exitcode, "t": f.timestamp} for r, f in reported.failures.items()}
-        failed.update({r: end for r, end in self.ends.items() if end["exitcode"] != 0})
-        return [{"rank": f["rank"], "exitcode": f["exitcode"]} for f in sorted(failed.values(), key=lambda f: f["t"])]
+        """Every rank that failed: those seen ending here in the order they were seen (ranks found
+        ended at the same look, which cannot tell their order, by rank), then any other that torch
+        reported (one it reaped while this handler waited its turn: a survivor it stopped)."""
+        seen = sorted(self.ends.values(), key=lambda end: (end["t"], end["rank"]))
+        failed = [{"rank": end["rank"], "exitcode": end["exitcode"]} for end in seen if end["exitcode"] != 0]
+        return failed + [{"rank": r, "exitcode": f.exitcode} for r, f in sorted(reported.failures.items())
+                         if r not in self.ends]
 
 
 def rank_main(spec_path: str) -> None:
