@@ -3,7 +3,6 @@ batch, per-rank metrics, and a failing rank named in its row."""
 from __future__ import annotations
 
 import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import socket
@@ -188,10 +187,10 @@ def test_a_killed_rank_is_named_even_when_its_peer_fails_before_the_agent_looks(
         killed = ctx.Process(target=_rank, args=(tmp_path, 1, connection, "killed"))
         killed.start()
         os.close(connection[1])
-        waiting = {peer.sentinel, killed.sentinel}
-        while waiting:  # both end before anything reaps them, as when they end between two polls
-            waiting -= set(multiprocessing.connection.wait(waiting, timeout=30) or waiting)
-        peer.join(), killed.join()
+        # Reaped as the agent would: the peer first, once both have ended between two of its polls
+        peer.join(30)
+        killed.join(30)
+    assert (peer.exitcode, killed.exitcode) == (1, -signal.SIGKILL)
     assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
     os.close(connection[0])
     reported = ChildFailedError("ablate", {0: ProcessFailure(0, peer.pid, 1, "")})  # torch's one failure
