@@ -227,9 +227,12 @@ class HFCausalLM(Family):
 
     @property
     def adapter(self) -> Adapter:
-        # Paths and classes are the same at any layer count: read from one layer where a sample can be built.
-        sample = self.sample(1)
-        return find_adapter(self.meta_model if sample is None else sample)
+        # Paths and classes are the same at any layer count: read from one layer where a sample can be
+        # built, once (a planned point asks for it some 150 times, and a read walks every module).
+        if getattr(self, "_adapter", None) is None:
+            sample = self.sample(1)
+            self._adapter = find_adapter(self.meta_model if sample is None else sample)
+        return self._adapter
 
     def build(self) -> nn.Module:
         return self._build(self.hf_config)
