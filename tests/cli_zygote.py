@@ -1,5 +1,7 @@
 """`python -m ablate` for the tests, without its imports each time: a process that has imported what
-every run of the CLI imports, and forks a child for each command line it is sent.
+every run of the CLI imports, and forks a child for each command line it is sent. The same for the
+report (`python -m analysis.report`), which imports torch and ablate's options to name them: two
+thirds of a fresh report's time.
 
 A run of a tiny point through the CLI costs some 11 CPU-seconds on two cores, of which the training
 is half a second; the command's own imports (torch, Hydra, ablate's job and prediction modules) are
@@ -25,7 +27,7 @@ process (its stdin closes), and a second while two of its threads run commands a
 whose environment differs in what an interpreter reads as it starts (a sitecustomize on
 PYTHONPATH), one made while both servers are busy, and every call under ABLATE_TEST_CLI=fresh
 start a fresh interpreter instead. Protocol: a JSON line per command on the server's stdin
-({"args", "env", "cwd", "out", "err"}); its reply pipe (fd given on its command line) gets the
+({"module", "args", "env", "cwd", "out", "err"}); its reply pipe (fd given on its command line) gets the
 child's pid, then its exit code as subprocess reports one (negative: the signal that ended it).
 """
 from __future__ import annotations
@@ -82,11 +84,13 @@ class _Server:
             raise RuntimeError(f"the CLI test server died: {self.log.read()[-3000:].decode(errors='replace')}")
         return reply
 
-    def run(self, args: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "ablate", *args]
+    def run(self, args: list[str], env: dict, cwd: Path, timeout: float,
+            module: str = "ablate") -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", module, *args]
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "out", Path(tmp) / "err"
-            request = {"args": args, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+            request = {"module": module, "args": args, "env": env, "cwd": str(cwd), "out": str(out),
+                       "err": str(err)}
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
             pid = int(self.line(None))
@@ -121,15 +125,15 @@ def _idle_server(env: dict) -> _Server | None:
         return server
 
 
-def run(args: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m ablate ARGS` in `cwd` with the whole environment `env`, its output captured as
-    text; subprocess.run's result, and its TimeoutExpired."""
+def run(args: list[str], env: dict, cwd: Path, timeout: float, module: str = "ablate") -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (ablate's CLI, or the report) in `cwd` with the whole environment `env`,
+    its output captured as text; subprocess.run's result, and its TimeoutExpired."""
     server = _idle_server(env) if os.environ.get("ABLATE_TEST_CLI") != "fresh" else None
     if server is None:
-        return subprocess.run([sys.executable, "-m", "ablate", *args], cwd=cwd, env=env, capture_output=True,
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=timeout)
     try:
-        return server.run(args, env, cwd, timeout)
+        return server.run(args, env, cwd, timeout, module)
     finally:
         server.busy = False
 
@@ -283,7 +287,7 @@ def _with_spare() -> None:
 
 
 def _become(request: dict) -> None:
-    """This process is now `python -m ablate ARGS` run in `cwd` with `env`, its output in files."""
+    """This process is now `python -m MODULE ARGS` run in `cwd` with `env`, its output in files."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -317,13 +321,13 @@ def _run(module: str) -> int:
         return 1
 
 
-def _run_and_exit() -> None:
-    """Run `python -m ablate` and exit as that interpreter would: its threads joined, its atexit
+def _run_and_exit(module: str) -> None:
+    """Run `python -m MODULE` and exit as that interpreter would: its threads joined, its atexit
     functions run, its output flushed, and its exit status. What it skips is the teardown of the
     heap, which a process's exit leaves to the kernel: the zygote's imports (torch's,
     transformers', MemTracker's), walked and freed object by object at every command's exit, each
     object's page copied from the zygote's before it is freed."""
-    code = _run("ablate")
+    code = _run(module)
     threading._shutdown()  # what the interpreter's own exit does first: private, but its own
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -343,5 +347,6 @@ if __name__ == "__main__":
     if command is None:
         sys.exit(0)
     _become(command)
-    _with_spare()
-    _run_and_exit()
+    if command["module"] == "ablate":  # a report starts no worker
+        _with_spare()
+    _run_and_exit(command["module"])

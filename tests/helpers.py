@@ -68,6 +68,13 @@ def run_cli(args: list[str], out_dir: Path, env: dict | None = None, timeout: fl
     return cli_zygote.run([*args, f"out_dir={out_dir}", *defaults], full_env, ROOT, timeout)
 
 
+def run_report(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m analysis.report ARGS` from the repository, as subprocess.run with its output
+    captured would run it, forked from the tests' CLI server (tests/cli_zygote.py): torch and
+    ablate's options, which the report imports to name them, are imported there already."""
+    return cli_zygote.run(args, dict(os.environ), ROOT, timeout, module="analysis.report")
+
+
 def results_under(path: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(Path(path).rglob("result.json"))]
 

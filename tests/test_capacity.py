@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
@@ -14,7 +12,7 @@ from ablate.capacity import CUDA_CONTEXT_MIB, MemoryLimit, largest_fitting, micr
 from ablate.find_batch import MARGIN
 from ablate.spec import RunSpec
 from ablate.predict.analytic import analytic
-from tests.helpers import FAST, ROOT, compose_spec, results_under, run_cli
+from tests.helpers import FAST, compose_spec, results_under, run_cli, run_report
 
 
 def gib_for(usable_mib: float) -> float:
@@ -137,8 +135,7 @@ def test_find_batch_keeps_the_effective_batch_with_accumulation(tmp_path):
     assert RunSpec.of(row["config"]).with_micro_batch(8).groups["accumulation"]["steps"] == 4
     # the prediction is of what was measured, micro-batch 8 (batch 32 whole would read +100%)
     assert row["prediction"]["peak_mib"] == pytest.approx(row["metrics"]["peak_allocated_mib"], rel=0.02)
-    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "full"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    report = run_report([str(tmp_path), "--table", "full"], timeout=120)
     lines = report.stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if "Max micro-batch" in line)  # the "All runs" table
     headings = [c.strip() for c in lines[at].split("|")]
@@ -167,8 +164,7 @@ def test_find_batch_with_predict_only_plans_a_card_without_running(tmp_path):
 def test_report_shows_predicted_measured_and_error(tmp_path):
     proc = run_cli(["-m", "checkpoint=none,block"], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "full"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    report = run_report([str(tmp_path), "--table", "full"], timeout=120)
     assert report.returncode == 0, report.stderr
     assert "Predicted peak (MiB)" in report.stdout
     for row in results_under(tmp_path):
@@ -192,8 +188,7 @@ def test_batch_scan_experiment_is_one_command(tmp_path):
     assert [r["config"]["batch_size"] for r in rows] == [1, 2, 4, 7, 8, 9, 16, 32, 64]
     peaks = [r["prediction"]["peak_mib"] for r in rows]
     assert peaks == sorted(peaks) and peaks[0] < peaks[-1]
-    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "batch"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    report = run_report([str(tmp_path), "--table", "batch"], timeout=120)
     assert "(predicted)" in report.stdout
 
 
@@ -246,8 +241,7 @@ def test_a_plan_with_a_capacity_stops_its_batch_scan_where_the_run_would(tmp_pat
     assert not list(tmp_path.rglob("events.jsonl"))
     # the rows the job judged name the card, as a worker's would; the ladder's unrun rows name none
     assert [r["env"]["emulated_gpu_mib"] for r in rows[:4]] == [gib_for(usable) * 1024] * 4
-    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path), "--table", "batch"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    report = run_report([str(tmp_path), "--table", "batch"], timeout=120)
     assert f"OOM (predicted ~{peak[7]:,.0f})" in report.stdout and "TFLOP/s" not in report.stdout
     assert (tmp_path / "report" / "batch_scan.png").exists()
 

@@ -12,7 +12,7 @@ from hydra.utils import instantiate
 from ablate.build import check_config
 from ablate.command_line import RUN_TYPES
 from ablate.schema import GROUPS, options
-from helpers import ROOT, compose_config, compose_spec, results_under, run_cli
+from helpers import ROOT, compose_config, compose_spec, results_under, run_cli, run_report
 
 # The result contract as docs/architecture.md lists it; results.py must produce exactly these keys
 # (ablate adds loss_floor: the synthetic data's entropy floor; compile_s; skipped_steps).
@@ -95,8 +95,7 @@ def test_rerun_skips_finished_points_and_skip_existing_false_reruns(sweep):
     for r in results_under(out / "sweeps" / "again"):  # the new sweep directory still gets every row,
         copied_from = Path(r.pop("reused_from"))  # naming the result it copies
         assert r == first[r["run_id"]] and copied_from.parent.parent == out / "sweeps" / "first"
-    report = subprocess.run([sys.executable, "-m", "analysis.report", str(out / "sweeps" / "again")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    report = run_report([str(out / "sweeps" / "again")], timeout=120)
     assert report.returncode == 0, report.stderr
     setting = report.stdout.split("## Setting", 1)[1].split("\n\n")[1]  # its rows say they were measured before
     assert setting.count(" (reused) ") == 2 and "(reused): a row an earlier sweep measured" in report.stdout
@@ -138,8 +137,7 @@ def test_defaults_run_with_an_exact_params_breakdown(tmp_path):
 
 def test_report_of_a_real_sweep(sweep):
     out, _ = sweep
-    proc = subprocess.run([sys.executable, "-m", "analysis.report", str(out / "sweeps" / "first")], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = run_report([str(out / "sweeps" / "first")])
     assert proc.returncode == 0, proc.stderr
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| adamw") or ln.startswith("| sgd")]
     assert len(rows) == 2 and all(ln.rstrip().endswith("| ok       |") for ln in rows)

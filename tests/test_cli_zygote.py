@@ -93,6 +93,22 @@ def test_a_spare_no_server_was_asked_of_goes_with_its_command(tmp_path):
     assert not spares_left()
 
 
+def test_a_report_is_the_same_report_and_starts_no_spare(tmp_path):
+    """`python -m analysis.report` forked gives a fresh interpreter's output and exit status, on a
+    planned point and on a directory without results."""
+    proc = cli_zygote.run([f"out_dir={tmp_path}", "predict_only=true", *fast_defaults([])], dict(os.environ), ROOT, 300)
+    assert proc.returncode == 0, proc.stderr
+    (tmp_path / "empty").mkdir()
+    for where, code, says in ((tmp_path, 0, "# ablate report: 1 run (1 predicted)"),
+                              (tmp_path / "empty", 1, "no result.json")):
+        a = subprocess.run([sys.executable, "-m", "analysis.report", str(where)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        b = cli_zygote.run([str(where)], dict(os.environ), ROOT, 300, module="analysis.report")
+        assert a.returncode == b.returncode == code, b.stderr
+        assert (b.stdout, b.stderr) == (a.stdout, a.stderr) and says in b.stdout + b.stderr
+    assert not spares_left()
+
+
 def spares_left(wait_s: float = 30) -> list:
     """The spares still alive `wait_s` after the last command (none, at once, where all went)."""
     zygotes = {s.proc.pid for s in cli_zygote._servers}

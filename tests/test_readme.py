@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import CONF, ROOT, results_under
+from helpers import CONF, ROOT, results_under, run_report
 
 README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
@@ -235,8 +235,7 @@ def test_the_docs_plan_tables_are_what_the_tool_prints(tmp_path, anchor, command
     sweep = subprocess.run([sys.executable, "-m", "ablate", *command.split(), f"hydra.sweep.dir={tmp_path}/s",
                             f"out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert sweep.returncode == 0, sweep.stderr
-    report = subprocess.run([sys.executable, "-m", "analysis.report", f"{tmp_path}/s", *options], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+    report = run_report([f"{tmp_path}/s", *options], timeout=600)
     assert report.returncode == 0, report.stderr
     assert cells(table_after(PLANNING, anchor)) == cells(table_after(report.stdout, heading), drop)
 

@@ -2,9 +2,6 @@
 rounding), robustness to bad files, and the command's options."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pandas as pd
 import pytest
 
@@ -12,7 +9,7 @@ from ablate import results
 from analysis import batch_table, compare, plot_common, tables
 from analysis.load import load
 from analysis.report import main
-from helpers import ROOT
+from helpers import run_report
 
 BASE = {"optimizer": "adamw", "precision": "fp32", "accumulation": "none", "checkpoint": "none", "offload": "none",
         "parallel": "single", "model": "gpt2-large", "data": "synthetic"}
@@ -364,8 +361,7 @@ def test_without_a_path_it_reads_outputs_where_ablate_writes(tmp_path, monkeypat
 
 
 def test_empty_directory_exits_1_with_a_message(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = run_report([str(tmp_path)])
     assert proc.returncode == 1 and "no result.json found" in proc.stderr
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import FAST, ROOT, results_under, run_cli
+from helpers import FAST, ROOT, results_under, run_cli, run_report
 
 SCRIPTS = ROOT / "scripts" / "slurm"
 SLURM_DIR = Path(os.environ.get("ABLATE_SLURM_DIR", "/tmp/ablate-slurm"))
@@ -78,8 +78,7 @@ def test_each_point_is_one_array_task_and_the_report_reads_them(cluster, tmp_pat
     tasks = sorted(_array_task(r) for r in rows.values())
     assert [t for _, t in tasks] == [0, 1] and tasks[0][0] == tasks[1][0]  # one array job, two tasks
     assert (tmp_path / "s" / ".submitit" / f"{tasks[0][0]}_0").is_dir()  # submitit's logs in the sweep dir
-    report = subprocess.run([sys.executable, "-m", "analysis.report", str(tmp_path / "s")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    report = run_report([str(tmp_path / "s")], timeout=120)
     assert report.returncode == 0, report.stderr
     table = [ln for ln in report.stdout.splitlines() if ln.startswith(("| adamw", "| sgd"))]
     assert len(table) == 2 and all(ln.rstrip().endswith("| ok       |") for ln in table)
