@@ -250,9 +250,26 @@ def _default_segments(alloc_conf: str | None) -> bool:
             and settings.get("backend", "native") == "native")
 
 
+# The last point sized, and what it came to: a point's memory and its step time are predicted one
+# after the other from the same spec (ablate/outcome.py `predicted`), and sizing it builds every
+# option again (a tenth of a planned point's time). By identity: a spec is frozen, and a changed one
+# (`spec.replace`, the batch search's) is another object. Nothing downstream writes to the sizes.
+_last_sized: tuple[RunSpec, tuple[Techniques, Shapes, Sizes]] | None = None
+
+
 def sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
     """A point's options, shapes and one rank's sizes, as the step is played (the step-time model,
     ablate/predict/step_time.py, reads the same)."""
+    global _last_sized
+    last = _last_sized  # read once: another thread may size another point meanwhile
+    if last is not None and last[0] is spec:
+        return last[1]
+    result = _sized(spec)
+    _last_sized = spec, result
+    return result
+
+
+def _sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
     t = Techniques.of(spec)
     _asked(t)
     t.kernels.fused_parts()  # fused kernels raise Unmodelled: their saved tensors are not the layer model's
