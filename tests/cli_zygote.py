@@ -149,6 +149,9 @@ def _preload() -> None:
     import launch.torchrun  # noqa: F401  (the ranks' launcher, a worker too)
     import launch  # noqa: F401  (ablate's launchers and sweepers, found by the scan)
     from ablate.command_line import unknown_key  # noqa: F401
+    # pandas: every sweep's summary compares its rows; the report reads them too (not the report
+    # itself: a module run as __main__ that is imported already is run twice, and runpy warns so)
+    from analysis import compare, load, recommend  # noqa: F401
 
     Plugins.instance()
     # Frozen, what the imports made is never walked by a child's collections, nor written to by them
