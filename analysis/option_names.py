@@ -23,6 +23,15 @@ def key_label(row: pd.Series, col: str) -> str:
     return getattr(option, "key_labels", {}).get((key, str(row[col])), f"{col}={row[col]}")
 
 
+def imported(df: pd.DataFrame) -> None:
+    """Build the option each row names, once: its class imported (torch with it) and its label kept,
+    before the report forks its plotting processes, which would otherwise each import them again."""
+    for group in GROUPS:
+        if group in df:
+            for value in df[group].dropna().unique():
+                label(group, value)
+
+
 @functools.cache
 def _label(col: str, value: str) -> str:
     option = built_option(col, value) if col in GROUPS else None

@@ -232,11 +232,13 @@ def tables_of(view: View, args: argparse.Namespace, out: Path) -> tuple[list[tup
 def write_report(view: View, args: argparse.Namespace, out: Path) -> int:
     """The files under `out` and the chosen format on stdout."""
     out.mkdir(parents=True, exist_ok=True)
+    from analysis.option_names import imported
     from analysis.plot_common import drawn  # matplotlib only when plotting
     from analysis.plots import plot_jobs, slowest_first
 
     df, labels = view.df, view.labels
     jobs = plot_jobs(df, labels, out, view.bases)
+    imported(df)  # the options' classes, once here rather than in each plotting process
     (parts, notes), images = drawn(jobs, lambda: tables_of(view, args, out), first=slowest_first(jobs))
     stale(out, images)
     footnote = table_cells.footnote(table_cells.on_cpu(df))
