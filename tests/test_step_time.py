@@ -174,3 +174,17 @@ def test_a_point_predicted_to_take_minutes_here_says_so_before_its_first_step():
     assert line.startswith("p  predicted: ") and "s a step on this CPU and a peak of 20,172 MiB" in line
     assert "for its 52 steps; predict_only=true plans it in seconds" in line  # warm-up steps counted
     assert said(["model=gpt-nano"]) == ""  # seconds: nothing to say
+
+
+def test_a_point_is_sized_once_for_its_memory_and_its_time_and_a_changed_one_again():
+    """The analytic model and the step-time model read one sizing of the same spec (its options
+    built once); a spec changed by `replace` (the batch search's) is sized anew."""
+    from ablate.predict.analytic import analytic, sized
+
+    spec = compose_spec(BIG)
+    analytic(spec)
+    first = sized(spec)
+    assert work_of(spec) and sized(spec) is first
+    bigger = spec.replace(batch_size=16)
+    assert sized(bigger) is not first and sized(bigger)[1].b == 2 * first[1].b
+    assert analytic(bigger).peak_mib > analytic(spec).peak_mib  # and the earlier spec's again, right
