@@ -64,7 +64,7 @@ CPU_ONLY = {
 # CPU is inductor's C++ build of every kernel, two thirds of gpt2_throughput's run on two cores; a
 # compiled point's traced step runs eagerly anyway (MemTracker cannot follow compiled code), so its
 # CPU peak would be its eager twin's. tests/test_cli.py compiles a point through the CLI. Its batch of
-# 512 sequences: find_batch meets no card on a CPU, so each point ran all 512 at once (40 s a point);
+# 512 sequences: find_batch meets no card on a CPU, so each point ran all 512 at once (45 s a point);
 # at 64 pure bf16 still halves the weights and states against autocast's fp32 ones.
 LEFT_OUT = {"gpt2_throughput": ["compile=false", "batch_size=64"]}
 # Points that do not run on a CPU at scale=cpu: (preset, point) -> words of their reason. None:
