@@ -8,8 +8,8 @@ from typing import Any
 class ComposeOnce:
     """The sweep's config loader, composing each point once. Hydra composes every point twice: the
     sweeper first checks that each point of a batch composes, so that a bad one stops the sweep
-    before any runs, then the launcher composes the point it starts. A composition is about a
-    fifth of a planned point's time (the YAML of a dozen config files read and merged), so the
+    before any runs, then the launcher composes the point it starts. A composition is close to
+    half of a planned point's time (the YAML of some 27 config files read and merged), so the
     launcher's takes a copy the check kept. A pickled launcher (a pool's job, in a process of its
     own) keeps none: it composes its one point."""
 
