@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python benchmarks/repredict.py` without installing the project
@@ -33,8 +31,9 @@ from ablate.predict.analytic import analytic, sized  # noqa: E402
 from ablate.predict.step_time import device_of, parts, seconds, work_of  # noqa: E402
 from ablate.spec import RunSpec  # noqa: E402
 from ablate.techniques import Unmodelled  # noqa: E402
-from ablate.schema import CONF, GROUPS, option_defaults, register  # noqa: E402
+from ablate.schema import CONF, GROUPS, option_defaults  # noqa: E402
 from analysis.load import LEGACY, flat  # noqa: E402
+from tests.composed import composed  # noqa: E402  (rows of a page share their choice of configs)
 
 # compile: on CUDA the model plays the compiled loss, and the key tells a compiled row from its
 # eager twin in the table.
@@ -138,34 +137,31 @@ def repredict(runs_csv: Path) -> pd.DataFrame:
     df = pd.read_csv(runs_csv)
     preset = preset_of(runs_csv, df)
     rows = []
-    register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for _, row in df[df["status"] == "ok"].iterrows():
-            line = overrides(preset, row)
-            cfg = OmegaConf.to_container(compose(config_name="config", overrides=line), resolve=True, enum_to_str=True)
-            spec = RunSpec.of(cfg)
-            measured, then = row["peak_allocated_mib"], row["predicted_peak_mib"]
-            try:
-                now = analytic(spec).peak_mib
-            except Unmodelled as e:  # an option the layer model does not follow (its run said so too)
-                rows.append({"Setting": " ".join(line[1:] if preset else line), "Measured (MiB)": measured,
-                             "Recorded prediction (MiB)": then, "Recorded error": _error(then, measured),
-                             "Prediction now (MiB)": None, "Error now": f"unmodelled: {str(e).split(':')[0]}",
-                             "Measured (ms)": row["iter_time_ms"], "Predicted (ms)": None, "Time error": "n/a",
-                             MISS: None})
-                continue
-            # The time on the GPU the run names (as the worker would see it), from the same sizes.
-            dev, work = device_of(spec, row.get("env_gpu_name")), work_of(spec)
-            predicted_s = seconds(work, dev) if dev else None
-            ms = row["iter_time_ms"]
-            error = predicted_s * 1e3 / ms - 1 if predicted_s and _set(ms) else None
+    for _, row in df[df["status"] == "ok"].iterrows():
+        line = overrides(preset, row)
+        spec = RunSpec.of(composed(line))
+        measured, then = row["peak_allocated_mib"], row["predicted_peak_mib"]
+        try:
+            now = analytic(spec).peak_mib
+        except Unmodelled as e:  # an option the layer model does not follow (its run said so too)
             rows.append({"Setting": " ".join(line[1:] if preset else line), "Measured (MiB)": measured,
                          "Recorded prediction (MiB)": then, "Recorded error": _error(then, measured),
-                         "Prediction now (MiB)": now, "Error now": f"{100 * (now / measured - 1):+.1f}%",
-                         "Measured (ms)": ms, "Predicted (ms)": predicted_s * 1e3 if predicted_s else None,
-                         "Time error": f"{100 * error:+.1f}%" if error is not None else "n/a",
-                         MISS: miss_of(row, spec, work, parts(work, dev))
-                         if error is not None and abs(error) > TIME_TOLERANCE else None})
+                         "Prediction now (MiB)": None, "Error now": f"unmodelled: {str(e).split(':')[0]}",
+                         "Measured (ms)": row["iter_time_ms"], "Predicted (ms)": None, "Time error": "n/a",
+                         MISS: None})
+            continue
+        # The time on the GPU the run names (as the worker would see it), from the same sizes.
+        dev, work = device_of(spec, row.get("env_gpu_name")), work_of(spec)
+        predicted_s = seconds(work, dev) if dev else None
+        ms = row["iter_time_ms"]
+        error = predicted_s * 1e3 / ms - 1 if predicted_s and _set(ms) else None
+        rows.append({"Setting": " ".join(line[1:] if preset else line), "Measured (MiB)": measured,
+                     "Recorded prediction (MiB)": then, "Recorded error": _error(then, measured),
+                     "Prediction now (MiB)": now, "Error now": f"{100 * (now / measured - 1):+.1f}%",
+                     "Measured (ms)": ms, "Predicted (ms)": predicted_s * 1e3 if predicted_s else None,
+                     "Time error": f"{100 * error:+.1f}%" if error is not None else "n/a",
+                     MISS: miss_of(row, spec, work, parts(work, dev))
+                     if error is not None and abs(error) > TIME_TOLERANCE else None})
     return pd.DataFrame(rows)
 
 

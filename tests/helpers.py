@@ -9,19 +9,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from ablate.schema import register
 from tests import cli_zygote
+from tests.composed import composed  # registers the config schema
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 # A grid point that trains in about a second on one CPU core.
 FAST = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "data.train_samples=64",
         "data.eval_samples=8", "batch_size=4", "seq_len=16", "steps=3", "warmup_steps=2", "device=cpu"]
-
-register()
 
 
 def slow_except(values, *kept) -> list:
@@ -44,11 +40,8 @@ def compose_config(overrides: list[str] = ()) -> dict:
 
 @functools.cache
 def _composed(overrides: tuple[str, ...]) -> dict:
-    # Hydra reads and merges some twenty files for each compose (0.7 s on 2 cores), and a test that
-    # measures a point and then predicts it composes the same overrides twice.
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    # a test that measures a point and then predicts it composes the same overrides twice
+    return composed(overrides)
 
 
 def compose_spec(overrides: list[str] = ()):

@@ -6,15 +6,11 @@ import sys
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from ablate.build import Techniques
 from ablate.predict.allocator import MIB, blocks_bytes, slack_bytes
 from ablate.predict.analytic import BYTES, _fsdp, analytic
 from ablate.predict.shapes import shapes_of
-from ablate.schema import CONF, register
-from ablate.spec import RunSpec
 from ablate.techniques.peft import DoRA, QLoRA
 from tests.helpers import ROOT, compose_spec
 
@@ -64,20 +60,18 @@ def _builds() -> dict[tuple, tuple[list[str], float]]:
 
 
 def test_the_blocks_are_the_allocator_peak_after_every_recorded_build():
-    register()
     checked = []
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for model, (line, measured) in _builds().items():
-            spec = RunSpec.of(OmegaConf.to_container(compose(config_name="config", overrides=line), resolve=True))
-            t = Techniques.of(spec)
-            # FSDP's shards and offloaded parameters are allocated otherwise; a 4-bit base and DoRA's
-            # magnitudes are made through temporaries, which set the build's peak
-            if _fsdp(t) or isinstance(t.peft, (DoRA, QLoRA)):
-                continue
-            shapes = shapes_of(spec, t)
-            sizes = [n * BYTES[t.precision.param_dtype] for n in shapes.param_numels.values()]
-            assert blocks_bytes(sizes) / MIB == pytest.approx(measured, abs=0.05), model
-            checked.append(model)
+    for model, (line, measured) in _builds().items():
+        spec = compose_spec(line)
+        t = Techniques.of(spec)
+        # FSDP's shards and offloaded parameters are allocated otherwise; a 4-bit base and DoRA's
+        # magnitudes are made through temporaries, which set the build's peak
+        if _fsdp(t) or isinstance(t.peft, (DoRA, QLoRA)):
+            continue
+        shapes = shapes_of(spec, t)
+        sizes = [n * BYTES[t.precision.param_dtype] for n in shapes.param_numels.values()]
+        assert blocks_bytes(sizes) / MIB == pytest.approx(measured, abs=0.05), model
+        checked.append(model)
     # gpt2 (fp32, bf16, padded head), gpt2-medium, -large, -xl, Llama with and without LoRA,
     # Mixtral, OLMoE: the records hold at least these
     assert len(checked) >= 10, checked
