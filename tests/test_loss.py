@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ablate.build import check_config
-from ablate.predict.analytic import analytic
+from ablate.predict.analytic import analytic, sized
+from ablate.predict.timeline import Step
 from ablate.techniques import Invalid
 from ablate.techniques.loss import Chunked, Fused
 from tests.helpers import compose_spec, results_under, run_cli, train_nano
@@ -127,6 +128,39 @@ def test_one_slices_logits_at_a_time(precision, loss):
     overrides = [f"precision={precision}", f"loss={loss}"]
     real, pred = measured(overrides, SLICE_PEAK), analytic(compose_spec([*SLICE_PEAK, *overrides]))
     assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.01)
+
+
+class EverySlice(Step):
+    """The step with its loss's slices played one by one, as many as there are."""
+
+    def forward_slice(self, q):
+        for _ in range(self.slices()[0]):
+            super().forward_slice(q)
+
+    def backward_slice(self, q):
+        for _ in range(self.slices()[0]):
+            super().backward_slice(q)
+
+
+@pytest.mark.parametrize("loss", ["chunked", "fused", "cce"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_pure"])
+def test_one_slice_played_is_the_step_with_every_slice_played(precision, loss):
+    """The predictor plays one of the loss's slices: each leaves the timeline as it found it, so the
+    step's peak, its breakdown and every category's maximum are those of all slices played."""
+    spec = compose_spec(["model=gpt2", "device=cuda", "batch_size=2", "seq_len=256", f"precision={precision}",
+                         f"loss={loss}", "loss.chunks=16" if loss != "cce" else "loss.impl=cce"])
+    _, shapes, sizes = sized(spec)
+    one = Step(shapes, sizes)
+    n, q = one.slices()
+    assert n == (16 if loss != "cce" else 512)
+    one.tl.alloc("params", 1.0)
+    for play in (one.forward_slice, one.backward_slice):
+        before = dict(one.tl.now)
+        play(q)
+        assert one.tl.now == before
+    tokens = spec.batch_size * spec.seq_len
+    a, b = Step(shapes, sizes).play(tokens), EverySlice(shapes, sizes).play(tokens)
+    assert (a.peak, a.at_peak, a.max, a.now) == (b.peak, b.at_peak, b.max, b.now)
 
 
 def test_chunked_saves_most_of_the_logits_bytes():

@@ -30,7 +30,11 @@ class LossPlay:
 
     def slices(self) -> tuple[int, float]:
         """The loss's slices of the micro-batch's tokens: how many, and the largest one's logits
-        as elements (tokens x V). The standard loss is one slice of every token."""
+        as elements (tokens x V). The standard loss is one slice of every token.
+
+        Each slice is played at the largest one's size and leaves the timeline as it found it, so
+        the loss plays one: the next would reach the same peak with the same breakdown. (Under
+        loss=cce a slice is one token: a plan would otherwise play tens of thousands a point.)"""
         n = min(self.sizes.loss_chunks, self.shapes.sb)
         return n, -(-self.shapes.sb // n) * self.shapes.vocab
 
@@ -61,11 +65,17 @@ class LossPlay:
             tl.alloc("activations", self.keep(q * 4))
             tl.free("activations", made)
             return
-        for _ in range(n):  # the compute-dtype logits go once copied to fp32, before logsumexp's temporary
-            tl.alloc("activations", made)
-            tl.free("activations", made - q * 4)
-            tl.transient("activations", self.logsumexp_temp(q))
-            tl.free("activations", q * 4)
+        self.forward_slice(q)  # one slice's play is all n's (slices)
+
+    def forward_slice(self, q: float) -> None:
+        """A chunked slice's forward: its compute-dtype logits go once copied to fp32, before
+        logsumexp's temporary; nothing stays."""
+        tl, c = self.tl, self.c
+        made = q * c + (q * 4 if c != 4 else 0)
+        tl.alloc("activations", made)
+        tl.free("activations", made - q * 4)
+        tl.transient("activations", self.logsumexp_temp(q))
+        tl.free("activations", q * 4)
 
     def loss_backward(self) -> None:
         """Loss -> log-softmax -> logits -> head: gradients of the head's input (d ln_f out,
@@ -76,7 +86,7 @@ class LossPlay:
         n, q = self.slices()
         head = sizes.grads[shapes.lm_head] if shapes.lm_head else sizes.grads[shapes.embedding]
         if n > 1:
-            return self.chunked_backward(n, q, head)
+            return self.chunked_backward(q, head)
         if sizes.compiled:
             return self.compiled_loss_backward(q, head)
         back = q * 4 - keep(q * 4)  # an offloaded log-softmax, copied back for its backward
@@ -120,24 +130,29 @@ class LossPlay:
         self.grad(head, shapes.lm_head) if shapes.lm_head else tl.alloc("other", head)
         tl.free("other", padded)
 
-    def chunked_backward(self, n: int, q: float, head: float) -> None:
+    def chunked_backward(self, q: float, head: float) -> None:
         """loss=chunked: d ln_f out and the weight's gradient allocated whole, the weight cast once
         under autocast, then slice by slice the logits recomputed and turned into their gradient
         in place, multiplied into both (under autocast the weight's share is made in the compute
         dtype, then added)."""
         tl, shapes, sizes, c = self.tl, self.shapes, self.sizes, self.c
         tl.alloc("other", shapes.sbh * c + head + sizes.lm_head_cast)
-        for _ in range(n):
-            made = q * c + (q * 4 if c != 4 else 0)
-            tl.alloc("other", made)
-            tl.free("other", made - q * 4)  # the fp32 logits stay, to become their gradient
-            tl.transient("other", self.logsumexp_temp(q))
-            if c != 4:  # ... cast to the compute dtype for the matmuls
-                tl.alloc("other", q * c)
-                tl.free("other", q * 4)
-            tl.transient("other", sizes.lm_head_cast)  # the weight's share in the compute dtype (autocast)
-            tl.free("other", q * c if c != 4 else q * 4)
+        self.backward_slice(q)  # one slice's play is all n's (slices)
         tl.free("other", sizes.lm_head_cast)
         if shapes.lm_head:
             tl.free("other", head)
             self.grad(head, shapes.lm_head)
+
+    def backward_slice(self, q: float) -> None:
+        """A chunked slice's backward: its logits recomputed, turned into their gradient in place
+        and multiplied into d ln_f out and the head's gradient; nothing stays."""
+        tl, c = self.tl, self.c
+        made = q * c + (q * 4 if c != 4 else 0)
+        tl.alloc("other", made)
+        tl.free("other", made - q * 4)  # the fp32 logits stay, to become their gradient
+        tl.transient("other", self.logsumexp_temp(q))
+        if c != 4:  # ... cast to the compute dtype for the matmuls
+            tl.alloc("other", q * c)
+            tl.free("other", q * 4)
+        tl.transient("other", self.sizes.lm_head_cast)  # the weight's share in the compute dtype (autocast)
+        tl.free("other", q * c if c != 4 else q * 4)
