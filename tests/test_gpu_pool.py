@@ -317,38 +317,3 @@ def test_a_pool_sweep_runs_from_a_checkout_that_is_not_installed(tmp_path):
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["status"] for r in results_under(tmp_path / "s")] == ["ok", "ok"], proc.stdout[-3000:]
-
-
-class _Loader:
-    """A config loader that counts its compositions (a point's config: its overrides)."""
-
-    def __init__(self) -> None:
-        self.composed: list[list[str]] = []
-
-    def load_sweep_config(self, master_config, sweep_overrides: list[str]) -> dict:
-        self.composed.append(list(sweep_overrides))
-        return {"overrides": list(sweep_overrides), "job": {}}
-
-    def get_search_path(self) -> str:
-        return "the loader's own"
-
-
-def test_a_sweep_composes_each_point_once_and_a_pickled_launcher_its_own():
-    """Hydra's sweeper checks that every point composes, then the launcher composes each point it
-    starts: the launcher's composition is a copy of the check's, never one the check changed."""
-    import pickle
-
-    from launch.compose_once import ComposeOnce
-
-    loader, master = _Loader(), object()
-    once = ComposeOnce(loader)
-    checked = [once.load_sweep_config(master, [f"seed={s}"]) for s in (1, 2)]
-    checked[0]["job"]["num"] = 7  # what a caller does with its own
-    launched = [once.load_sweep_config(master, [f"seed={s}"]) for s in (1, 2)]
-    assert loader.composed == [["seed=1"], ["seed=2"]]
-    assert launched == [{"overrides": [f"seed={s}"], "job": {}} for s in (1, 2)]
-    once.load_sweep_config(master, ["seed=1"])  # asked a third time: composed again
-    assert len(loader.composed) == 3 and once.get_search_path() == "the loader's own"
-    job = pickle.loads(pickle.dumps(once))  # a pool's job, in its own process: nothing held
-    assert job._held == {} and job.load_sweep_config(master, ["seed=2"])["overrides"] == ["seed=2"]
-    assert job._loader.composed[-1] == ["seed=2"]
