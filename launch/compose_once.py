@@ -15,15 +15,38 @@ its own, a line Hydra refuses) is composed by Hydra whole, so that its errors ar
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf, open_dict
 
 # Hydra's two stages have no public names: ConfigLoaderImpl applies a composition's value overrides
-# with this function and records them with the other; tests/test_compose_once.py holds every point of
-# a sweep composed here to Hydra's whole composition of it.
+# with this function and records them with the other; tests/test_compose_once.py and
+# tests/test_composed.py hold what is composed here to Hydra's whole compositions.
 from hydra._internal.config_loader_impl import ConfigLoaderImpl, get_overrides_dirname
+
+
+def in_two_stages(lines: Sequence[str], chooses: Callable[[Any], bool], merged: Callable[[tuple], Any],
+                  whole: Callable[[], Any], record: Callable[[Any, list], None] = lambda config, parsed: None) -> Any:
+    """The config `lines` compose to: a copy of `merged(choices)` (the lines that name a config
+    group, in their order) with the other lines set on it by Hydra, and `record(config, parsed)`
+    done. A line this cannot take as Hydra would (a sweep, a `hydra.` override, one Hydra refuses)
+    leaves the composition to `whole()`, Hydra's own, so that its errors are Hydra's."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(lines))
+    except Exception:  # noqa: BLE001 - Hydra's whole composition words the error
+        return whole()
+    if any(o.is_sweep_override() or o.is_hydra_override() for o in parsed):
+        return whole()
+    try:
+        picks = [chooses(o) for o in parsed]
+        config = copy.deepcopy(merged(tuple(o.input_line for o, c in zip(parsed, picks) if c)))
+        ConfigLoaderImpl._apply_overrides_to_config([o for o, c in zip(parsed, picks) if not c], config)
+        record(config, parsed)
+        return config
+    except Exception:  # noqa: BLE001 - composed whole, the error is worded as Hydra words it
+        return whole()
 
 
 class ComposeOnce:
@@ -42,27 +65,19 @@ class ComposeOnce:
     def load_sweep_config(self, master_config: Any, sweep_overrides: list[str]) -> Any:
         if master_config is not self._master:
             self._master, self._repo, self._held = master_config, None, {}
-        try:
-            parsed = OverridesParser.create().parse_overrides(list(sweep_overrides))
-        except Exception:  # noqa: BLE001 - Hydra's whole composition words the error
-            return self._loader.load_sweep_config(master_config, sweep_overrides)
-        if any(o.is_sweep_override() or o.is_hydra_override() for o in parsed):
-            return self._loader.load_sweep_config(master_config, sweep_overrides)
-        try:
-            chooses = [self._chooses(o) for o in parsed]
-            choices = tuple(o.input_line for o, c in zip(parsed, chooses) if c)
-            config = copy.deepcopy(self._merged(choices))
-            ConfigLoaderImpl._apply_overrides_to_config([o for o, c in zip(parsed, chooses) if not c], config)
-            job = config.hydra.job
-            with open_dict(config.hydra):
-                config.hydra.overrides.task = [o.input_line for o in parsed]
-                job.override_dirname = get_overrides_dirname(
-                    overrides=parsed, kv_sep=job.config.override_dirname.kv_sep,
-                    item_sep=job.config.override_dirname.item_sep,
-                    exclude_keys=job.config.override_dirname.exclude_keys)
-            return config
-        except Exception:  # noqa: BLE001 - composed whole, the error is worded as Hydra words it
-            return self._loader.load_sweep_config(master_config, sweep_overrides)
+        return in_two_stages(sweep_overrides, self._chooses, self._merged, record=self._record,
+                             whole=lambda: self._loader.load_sweep_config(master_config, sweep_overrides))
+
+    @staticmethod
+    def _record(config: Any, parsed: list) -> None:
+        """The `hydra` node's record of the point's overrides, as Hydra's whole composition sets it."""
+        job = config.hydra.job
+        with open_dict(config.hydra):
+            config.hydra.overrides.task = [o.input_line for o in parsed]
+            job.override_dirname = get_overrides_dirname(
+                overrides=parsed, kv_sep=job.config.override_dirname.kv_sep,
+                item_sep=job.config.override_dirname.item_sep,
+                exclude_keys=job.config.override_dirname.exclude_keys)
 
     def _chooses(self, override: Any) -> bool:
         """Whether `override` names a config group, on the repository Hydra composes this sweep's

@@ -11,18 +11,14 @@ Anything the second stage cannot take as Hydra would (a sweep, a hydra/ override
 refuses) is composed by Hydra whole, so that its errors are Hydra's own."""
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-# Hydra's second stage has no public name; its ConfigLoaderImpl applies a composition's value
-# overrides with this, and tests/test_composed.py holds the result to Hydra's whole composition.
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from ablate.schema import register
+from launch.compose_once import in_two_stages
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -31,20 +27,7 @@ register()  # the typed schema conf/config.yaml names, and its resolvers
 
 def composed(overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """The config `overrides` compose to, resolved, as plain data (a new one for each call)."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except Exception:  # noqa: BLE001 - Hydra's composition names what is wrong with the line
-        return _plain(_hydra(tuple(overrides)))
-    if any(o.is_sweep_override() or o.is_hydra_override() for o in parsed):
-        return _plain(_hydra(tuple(overrides)))
-    choices = tuple(o.input_line for o in parsed if _chooses(o))
-    values = [o for o in parsed if not _chooses(o)]
-    try:
-        cfg = copy.deepcopy(_hydra(choices))
-        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
-        return _plain(cfg)
-    except Exception:  # noqa: BLE001 - composed whole, the error is worded as Hydra words it
-        return _plain(_hydra(tuple(overrides)))
+    return _plain(in_two_stages(overrides, _chooses, _hydra, whole=lambda: _hydra(tuple(overrides))))
 
 
 def _chooses(override) -> bool:
