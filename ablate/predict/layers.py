@@ -4,8 +4,11 @@ A family's layer is described by its sizes (`Arch`, read from the model option) 
 giving the bytes it keeps for backward beyond its input. Three layouts cover the shipped families:
 - gpt2: ablate's GPT-2 (LayerNorm, fused qkv, GELU MLP of 4h, learned positions, tied head).
 - llama: Llama, Qwen2, Mistral as transformers writes them (RMSNorm, separate q/k/v projections
-  with grouped-query K/V heads, rotary, SwiGLU MLP of three matrices, tied or untied head); Qwen3
-  is this layer with an RMSNorm on each query and key head (qk_norm). The mixtures of experts
+  with grouped-query K/V heads, rotary, SwiGLU MLP of three matrices, tied or untied head); so are
+  SmolLM3 (rotary left out of every fourth layer: q and k are then kept as the projections made
+  them, as many bytes) and Granite (its multipliers scale tensors nothing keeps). Qwen3 is this
+  layer with an RMSNorm on each query and key head (qk_norm); Phi-3 with q, k and v one Linear's
+  output and gate and up another's (fused_proj). The mixtures of experts
   Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are this layer with a routed block of SwiGLU experts in
   place of the MLP (ablate/predict/experts.py).
 - neox: GPT-NeoX / Pythia (LayerNorm, fused qkv, partial rotary, attention and MLP in parallel
@@ -42,7 +45,9 @@ from ablate.techniques.attention import FUSED
 # Mixtures of experts as transformers 5 writes them, and the config key of one expert's width
 MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe": "moe_intermediate_size",
        "qwen3_moe": "moe_intermediate_size"}
-LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", *MOE)
+# Phi-3 (Phi-3.5 and Phi-4-mini too): the llama layer with qkv_proj and gate_up_proj
+FUSED_PROJ = ("phi3",)
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", *FUSED_PROJ, *MOE)
 # RMSNorm on q and on k before rotary: over each head's head_dim, or over the whole projection
 QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}
 
@@ -66,6 +71,7 @@ class Arch:
     top_k: int = 0  # the experts each token is routed to
     shared_inter: int = 0  # Qwen2-MoE's shared expert beside them: a dense SwiGLU MLP this wide
     fp32_routing: bool = False  # Mixtral keeps the routing weights in fp32; the others cast them to the logits'
+    fused_proj: bool = False  # q, k and v one Linear's output, gate and up another's (Phi-3)
 
 
 def arch_of(family) -> Arch:
@@ -85,7 +91,8 @@ def hf_arch(hf) -> Arch:
         return Arch("llama" if kind in LLAMA_LIKE else "neox", hf.num_hidden_layers, hf.hidden_size, heads,
                     getattr(hf, "num_key_value_heads", None) or heads,
                     getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
-                    tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=QK_NORM.get(kind, ""), **sizes)
+                    tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=QK_NORM.get(kind, ""),
+                    fused_proj=kind in FUSED_PROJ, **sizes)
     raise Unmodelled(f"no analytic memory model for model_type={kind}")
 
 
@@ -199,14 +206,25 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     qk = (q + kv) * (4 + c) + rsqrts if a.qk_norm else 0
     qk_recomputed = qk - (q + kv) * c if a.qk_norm else 0
     attn += qk
-    # SwiGLU: gate and up (each casting ln_2's output under autocast), down; or the experts
+    ln_1_casts = 3  # the projections reading ln_1's output
+    if a.fused_proj:
+        # A fused kernel keeps v, a view of qkv_proj's one output, and so that output whole; and
+        # rotary's cat lays q out as (B, heads, T, head_dim), SDPA's output follows q's layout,
+        # so the reshape that makes o_proj's input copies it (measured on CPU; CUDA's flash kernel
+        # also writes its output in q's layout). Eager attention and the math backend keep their
+        # own copies of v (a batched matmul's reshape copies the strided view) and copy their output anyway.
+        if at.kind == FUSED:
+            attn += (q + kv) * c + q * c
+        ln_1_casts = 1
+    # SwiGLU: gate and up (each casting ln_2's output under autocast), down; or the experts.
+    # Phi-3's one gate_up output keeps as many bytes as gate's and up's (both views of it).
     if a.experts:
         mlp, ln_2_casts, mlp_matmul = experts.saves(a, sb, r, c)
     else:
-        mlp, ln_2_casts, mlp_matmul = 4 * sb * a.inter * c, 2, 2 * sb * a.inter * c + sbh * c
+        mlp, ln_2_casts, mlp_matmul = 4 * sb * a.inter * c, 1 if a.fused_proj else 2, 2 * sb * a.inter * c + sbh * c
     # Under autocast on an fp32 stream (r != c) each projection casts the norm's output itself
     # (autocast caches casts of weights only): q, k and v keep 3 copies of ln_1's, the MLP its own of ln_2's.
-    outs = (3 + ln_2_casts if r != c else 1 + 1) * sbh * c
+    outs = (ln_1_casts + ln_2_casts if r != c else 1 + 1) * sbh * c
     full = sbh * (4 - r) + 2 * norm + outs + attn + sbh * 4 + mlp
     # Recomputed, the MLP keeps ln_2's output (r) in place of its casts of it (when r != c).
     mlp_recomputed = mlp + (ln_2_casts * sbh * c - sbh * r if r != c else 0) if a.experts else mlp
@@ -214,7 +232,7 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     # input it keeps is one that would have been kept or copied anyway.
     # attn_input: ln_1's output as q, k and v keep it (three casts under autocast, else one) less as
     # a recompute wrapper around attention keeps it (the norm's output, in the stream's dtype)
-    return full, {"attn": attn, "attn_input": (3 * c if r != c else c) * sbh - r * sbh, "mlp": mlp_recomputed,
+    return full, {"attn": attn, "attn_input": (ln_1_casts * c if r != c else c) * sbh - r * sbh, "mlp": mlp_recomputed,
                   "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA; the MLP's
                   "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul, "mlp_matmul": mlp_matmul,
