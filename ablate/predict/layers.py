@@ -8,7 +8,8 @@ giving the bytes it keeps for backward beyond its input. Three layouts cover the
   SmolLM3 (rotary left out of every fourth layer: q and k are then kept as the projections made
   them, as many bytes) and Granite (its multipliers scale tensors nothing keeps). Qwen3 is this
   layer with an RMSNorm on each query and key head (qk_norm); Phi-3 with q, k and v one Linear's
-  output and gate and up another's (fused_proj). The mixtures of experts
+  output and gate and up another's (fused_proj); OLMo 2 with its two norms on the attention's and
+  the MLP's outputs instead of their inputs (post_norm, `_post_norm`). The mixtures of experts
   Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are this layer with a routed block of SwiGLU experts in
   place of the MLP (ablate/predict/experts.py).
 - neox: GPT-NeoX / Pythia (LayerNorm, fused qkv, partial rotary, attention and MLP in parallel
@@ -47,9 +48,11 @@ MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe"
        "qwen3_moe": "moe_intermediate_size"}
 # Phi-3 (Phi-3.5 and Phi-4-mini too): the llama layer with qkv_proj and gate_up_proj
 FUSED_PROJ = ("phi3",)
-LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", *FUSED_PROJ, *MOE)
+# OLMo 2: the llama layer's two norms moved onto the attention's and the MLP's outputs
+POST_NORM = ("olmo2",)
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", *FUSED_PROJ, *POST_NORM, *MOE)
 # RMSNorm on q and on k before rotary: over each head's head_dim, or over the whole projection
-QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj", "olmo2": "proj"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Arch:
     shared_inter: int = 0  # Qwen2-MoE's shared expert beside them: a dense SwiGLU MLP this wide
     fp32_routing: bool = False  # Mixtral keeps the routing weights in fp32; the others cast them to the logits'
     fused_proj: bool = False  # q, k and v one Linear's output, gate and up another's (Phi-3)
+    post_norm: bool = False  # each sub-layer's output normalised before its residual add, none before (OLMo 2)
 
 
 def arch_of(family) -> Arch:
@@ -92,7 +96,7 @@ def hf_arch(hf) -> Arch:
                     getattr(hf, "num_key_value_heads", None) or heads,
                     getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
                     tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=QK_NORM.get(kind, ""),
-                    fused_proj=kind in FUSED_PROJ, **sizes)
+                    fused_proj=kind in FUSED_PROJ, post_norm=kind in POST_NORM, **sizes)
     raise Unmodelled(f"no analytic memory model for model_type={kind}")
 
 
@@ -116,7 +120,7 @@ def _full(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention, tr: Training
     """The layout's (bytes kept, parts); `at`: what attention keeps; `tr`: what of the layer trains."""
     if a.kind == "neox" and at.kind != FUSED:
         raise Unmodelled(f"no analytic memory model for gpt_neox's attention with {at.kind} kernels")
-    full, parts = _FULL[a.kind](a, sb, r, c, ln, at)
+    full, parts = (_post_norm if a.post_norm else _FULL[a.kind])(a, sb, r, c, ln, at)
     if tr == FULL:
         return full, parts
     change = adapters.change(a, sb, r, c, tr)
@@ -139,14 +143,16 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, a
         raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__} (it has no kept())")
     saved = kept(index, full, parts)
     ops = getattr(option, "saves_op_outputs", False)
-    if ops and not tiled_mlp:
+    if ops and not tiled_mlp and not a.post_norm:
         # Selective op recompute keeps every matmul's output in its cache and hands each back as the
         # recompute reaches it; the recompute stops at the last tensor backward needs, the input of
         # the layer's last matmul, whose output, needed by nothing, then stays cached until the
-        # layer's backward ends (measured op by op on CPU: tiny Llama, Pythia)
+        # layer's backward ends (measured op by op on CPU: tiny Llama, Pythia). A post-norm after
+        # that matmul needs its output: the recompute reaches it too.
         full += parts["last_matmul"]
     if (saved == 0 or ops) and a.kind == "llama":  # the whole layer recomputed from its input, which the
-        full += sb * a.hidden * r * (r != 4)  # checkpoint holds: the first norm's fp32 copy replaces nothing
+        # checkpoint holds: the first norm's fp32 copy (post-norm: the projections' casts) replaces nothing
+        full += sb * a.hidden * r * ((r != c) if a.post_norm else (r != 4))
     return saved, full
 
 
@@ -242,6 +248,32 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
                   # down_proj's; a mixture's routed experts read their down output (kept anyway),
                   # Qwen2-MoE's shared expert ends with its (s·b, 1) gate
                   "last_matmul": (sb * c if a.shared_inter else 0.0) if a.experts else sbh * c}
+
+
+def _post_norm(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[float, dict]:
+    """OLMo 2: attention and the MLP read the residual stream itself, and an RMSNorm normalises each
+    one's output before it is added back. q, k and v keep the layer input (under autocast three
+    casts of it, and the input then dies); rotary and SDPA keep what Llama's do. Its RMSNorm
+    multiplies by the weight in fp32 before casting back, so every norm (q_norm and k_norm over the
+    whole projections, the two post-norms) keeps its input in fp32 (a copy of a 16-bit one), the
+    rsqrt and the fp32 normalised values. Gate and up keep the stream after attention (or their two
+    casts of it); SwiGLU as Llama."""
+    sbh, q, kv = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.kv_heads * a.head_dim
+    sdpa, sdpa_matmul = ((q + 2 * kv) * c + sb * a.heads * 4, sb * a.heads * 4) if at.kind == FUSED \
+        else scores(a, sb, c, at)
+    qk = (q + kv) * 8 + 2 * sb * 4  # q_norm and k_norm
+    attn = q * c + sdpa + qk  # SDPA out, its inputs
+    norm = sbh * 8 + sb * 4  # one post-norm: fp32 input, normalised, rsqrt
+    x_in = 3 * sbh * c - sbh * r if r != c else 0.0  # beyond the layer input, which q, k and v keep (r == c)
+    h_in = 2 * sbh * c if r != c else sbh * r  # what gate and up keep of the stream they read
+    mlp = 4 * sb * a.inter * c
+    mlp_matmul = 2 * sb * a.inter * c + sbh * c
+    full = x_in + attn + norm + h_in + mlp + norm
+    # recomputed, a norm keeps only its input, the c-byte output of the Linear before it
+    return full, {"attn": attn, "attn_input": x_in, "mlp": mlp, "norm": 2 * (norm - sbh * c),
+                  "qk_norm": qk - (q + kv) * c,
+                  "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul, "mlp_matmul": mlp_matmul,
+                  "mlp_input": h_in, "mlp_input_wrapped": sbh * r, "last_matmul": sbh * c}
 
 
 def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL) -> float:

@@ -55,6 +55,8 @@ class Sizes:
     attn_saved: float = 0.0
     norm_backward_temp: float = 0.0  # an RMSNorm's fp32 gradients in its backward, beyond what the layer keeps
     final_norm_backward_temp: float = 0.0  # ... in the final norm's backward, right after the head's
+    out_norm_backward_temp: float = 0.0  # ... a post-norm's on the MLP's output, first in its layer's backward
+    out_norm_saved: float = 0.0  # what that post-norm keeps, freed as its backward ends
     attn_forward_temp: float = 0.0
     attn_backward_temp: float = 0.0
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases

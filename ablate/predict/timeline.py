@@ -159,6 +159,7 @@ class Step(LossPlay):
             # the projection's backward asks for its input: a layer recomputed beside its MLP is recomputed first
             recomputed_first = sizes.recompute_with_mlp and full > saved and not sizes.tiled_mlp
             if not recomputed_first:
+                self.out_norm_backward()
                 self.out_proj_grads(first)
             if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("other", sizes.recompute_grads if full > saved else 0.0)
@@ -166,6 +167,8 @@ class Step(LossPlay):
                 if full > saved:  # what the recomputed forward makes and drops
                     tl.transient("activations", sizes.forward_temp)
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
+                if recomputed_first:
+                    self.out_norm_backward()
                 if recomputed_first:
                     self.out_proj_grads(first)
                 tl.transient("other", inner)  # d c_fc out and d GELU out alive together
@@ -201,7 +204,8 @@ class Step(LossPlay):
                 if n not in mlp:
                     self.grad(sizes.grads[n], n)
             kept = keep(saved) + (self.sizes.block_cast - self.sizes.attn_cast if self.keeps_cast(saved) else 0) - early
-            tl.free("activations", kept + back + (keep(sbh * r) if i else 0) + ahead)  # and its input (x0 below)
+            tl.free("activations", kept + back + (keep(sbh * r) if i else 0) + ahead  # and its input (x0 below)
+                    - sizes.out_norm_saved)
             self.reduce(sizes.block, self.block_names[i], sync)
             self.release(sizes.block)
         # Embedding backward: its dense (V, C) gradient and a tied head's share are summed out of
@@ -215,6 +219,12 @@ class Step(LossPlay):
         tl.free("other", sbh * r)
         self.reduce(sizes.root, self.root_names, sync)
         self.release(sizes.root)
+
+    def out_norm_backward(self) -> None:
+        """A post-norm on the MLP's output (OLMo 2) runs first in its layer's backward: its fp32
+        gradients beside all the layer keeps, then what it kept goes."""
+        self.tl.transient("other", self.sizes.out_norm_backward_temp)
+        self.tl.free("activations", self.sizes.out_norm_saved)
 
     def grad(self, nbytes: float, name: str) -> None:
         """Parameter `name`'s gradient arrives: new, or added into the one from an earlier micro-step
