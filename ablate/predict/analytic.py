@@ -161,7 +161,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
-    if a.post_norm:  # OLMo 2's RMSNorm is fp32 throughout: five (B, T, h) fp32 tensors at its backward's
+    if a.post_norm:  # OLMo 2's RMSNorm is fp32 throughout: four (B, T, h) fp32 tensors at its backward's
         # widest, whatever the stream's dtype; its norm on the MLP's output runs first in the layer's
         # backward, beside everything the layer keeps (fitted on CPU: tiny OLMo 2, fp32 and bf16)
         sizes.norm_backward_temp = sizes.out_norm_backward_temp = 4 * shapes.sbh * 4

@@ -169,7 +169,6 @@ class Step(LossPlay):
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
                 if recomputed_first:
                     self.out_norm_backward()
-                if recomputed_first:
                     self.out_proj_grads(first)
                 tl.transient("other", inner)  # d c_fc out and d GELU out alive together
                 self.expert_grads(adding)
