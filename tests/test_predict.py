@@ -205,7 +205,8 @@ def test_fp32_grouped_query_attention_on_cuda_keeps_sdpas_math_backends_probabil
     measured it (5.9% over the fused-kernel figure; -0.1% with the math backend's:
     tests/test_predict_records.py). Nothing changes in 16-bit, without grouped heads, or on a CPU,
     whose flash kernel takes fp32 and grouped heads. Sizes: that row's Mixtral, 4 x 512 tokens."""
-    from ablate.predict.layers import Attention, arch_of, layer_saves
+    from ablate.predict.arch import arch_of
+    from ablate.predict.layers import Attention, layer_saves
     from ablate.techniques import checkpoint as ckpt
     from ablate.techniques.attention import FUSED, MATH, Sdpa
 

@@ -138,7 +138,7 @@ class Family(Option, abc.ABC):
     uses_transformers = False  # its model is a transformers one (the trace patches transformers' masking)
 
     def arch(self):
-        """The sizes the analytic predictor's layer model reads (ablate/predict/layers.py `Arch`);
+        """The sizes the analytic predictor's layer model reads (ablate/predict/arch.py `Arch`);
         Unmodelled for a family whose layers it does not describe (predict=trace runs any)."""
         raise Unmodelled(f"no analytic memory model for model family {type(self).__name__}")
 

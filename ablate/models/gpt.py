@@ -68,7 +68,7 @@ class GPT2(Family):
         return GPTModule(dataclasses.replace(self.config, attention=self.attn_implementation))
 
     def arch(self):
-        from ablate.predict.layers import Arch
+        from ablate.predict.arch import Arch
 
         c = self.config
         return Arch("gpt2", c.n_layer, c.n_embd, c.n_head, c.n_head, c.n_embd // c.n_head, 4 * c.n_embd,

@@ -263,7 +263,7 @@ class HFCausalLM(Family):
     has_flex_attention = True
 
     def arch(self):
-        from ablate.predict.layers import hf_arch
+        from ablate.predict.arch import hf_arch
 
         return hf_arch(self.hf_config)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ablate.techniques import Unmodelled
 
 if TYPE_CHECKING:
-    from ablate.predict.layers import Arch
+    from ablate.predict.arch import Arch
 
 
 @dataclass(frozen=True)

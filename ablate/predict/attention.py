@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ablate.techniques.attention import EAGER, FUSED, MATH
 
 if TYPE_CHECKING:
-    from ablate.predict.layers import Arch
+    from ablate.predict.arch import Arch
 
 
 @dataclass(frozen=True)

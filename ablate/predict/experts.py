@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ablate.predict.layers import Arch
+    from ablate.predict.arch import Arch
 
 
 def saves(a: Arch, sb: int, r: int, c: int) -> tuple[float, int, float]:

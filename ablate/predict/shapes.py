@@ -9,7 +9,7 @@ from torch import nn
 
 from ablate.build import Techniques
 from ablate.models import param_change
-from ablate.predict.layers import Arch, arch_of
+from ablate.predict.arch import Arch, arch_of
 from ablate.spec import RunSpec
 
 
@@ -20,7 +20,7 @@ class Shapes:
 
     b: int  # micro-batch per rank
     s: int  # sequence length
-    arch: Arch  # the family's sizes (ablate/predict/layers.py)
+    arch: Arch  # the family's sizes (ablate/predict/arch.py)
     param_numels: dict  # parameter name -> elements (a tied LM head counted once, as the embedding)
     param_shapes: dict  # parameter name -> shape
     groups: list  # the optimizer's parameter groups: parameter names in the order it steps them

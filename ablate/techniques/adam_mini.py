@@ -113,7 +113,7 @@ class AdamMini(TorchOptimizer):
     def sizes(self) -> tuple[int, int, int, int, str]:
         """(hidden, heads, key/value heads, head_dim, layout kind) of the model family, from the
         analytic predictor's Arch, or a transformers config's own keys where it has none."""
-        from ablate.predict.layers import arch_of  # the predictor imports this module's package
+        from ablate.predict.arch import arch_of  # the predictor imports this module's package
 
         if self.family is None:
             raise RuntimeError("optimizer=adam_mini needs the model family (set by ablate.build.Techniques)")

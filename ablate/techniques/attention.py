@@ -28,7 +28,7 @@ def _sixteen_bit(plan: Plan) -> bool:
 
 
 def _arch(family):
-    """The family's sizes (predict/layers.Arch), or None where it has none to give."""
+    """The family's sizes (predict/arch.Arch), or None where it has none to give."""
     try:
         return family.arch() if family is not None else None
     except Unmodelled:
@@ -46,7 +46,7 @@ class Sdpa(Option):
         return contextlib.nullcontext()
 
     def saves(self, arch, device: str, compute_bytes: int) -> str:
-        """FUSED, MATH or EAGER: what a layer's attention keeps, for `arch` (predict/layers.Arch).
+        """FUSED, MATH or EAGER: what a layer's attention keeps, for `arch` (predict/arch.Arch).
         CUDA has no fused kernel for fp32 with grouped-query heads (transformers passes
         enable_gqa=True where there is no mask and head_dim <= 256): flash and cuDNN take 16-bit
         inputs only and the memory-efficient kernel refuses grouped-query heads (torch's
