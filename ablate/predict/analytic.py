@@ -161,14 +161,14 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
+    sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
     if a.post_norm:  # OLMo 2's RMSNorm is fp32 throughout: four (B, T, h) fp32 tensors at its backward's
         # widest, whatever the stream's dtype; its norm on the MLP's output runs first in the layer's
         # backward, beside everything the layer keeps (fitted on CPU: tiny OLMo 2, fp32 and bf16)
         sizes.norm_backward_temp = sizes.out_norm_backward_temp = 4 * shapes.sbh * 4
         sizes.out_norm_saved = 2 * shapes.sbh * 4 + sb * 4  # its fp32 input and normalised values, the rsqrt
-    sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
-    if a.post_norm:  # with the head's 16-bit gradient cast up beside, its fp32 normalised values gone first
-        sizes.final_norm_backward_temp += shapes.sbh * (r - 4)
+        # the final one: the head's 16-bit gradient cast up beside, its fp32 normalised values gone first
+        sizes.final_norm_backward_temp = sizes.norm_backward_temp + shapes.sbh * (r - 4)
     if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
         # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
         # making room for it, a frozen one kept none (fitted on CPU: tiny Llama, LoRA over a tiled MLP)
