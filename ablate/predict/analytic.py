@@ -182,9 +182,15 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.blocks[0] = (max(saved - dead - shapes.sbh * r, 0.0) if saved else 0.0, full - dead)
     # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).
     sizes.head_keeps_input = t.peft.train_embeddings or t.loss.from_hidden
+    # the head's matmul keeps its cast of that input; a loss from the hidden states (the chunked
+    # loss's Function) keeps the hidden states as the model hands them over, casting slices itself
+    sizes.head_input_bytes = r if t.loss.from_hidden else c
+    # (the chunked loss multiplies by the head's weight itself: no wrapper around the head runs)
+    sizes.head_wrapped = t.checkpoint.wraps_head and not t.loss.from_hidden
     # ablate's GPT-2 takes its loss in the forward that made ln_f's output, which it holds until the
-    # loss is taken: under autocast beside the head's cast of it (a transformers model returns first)
-    if a.kind == "gpt2" and r != c and not t.loss.from_hidden:
+    # loss is taken: under autocast beside the head's cast of it (a transformers model returns first;
+    # a wrapped head keeps that very output)
+    if a.kind == "gpt2" and r != c and not t.loss.from_hidden and not sizes.head_wrapped:
         sizes.ln_f_out_held = shapes.sbh * r
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's rsqrt and normalised input
     # (for its weight's gradient).
@@ -192,6 +198,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     final = shapes.sbh * (4 if a.post_norm else r) * tr.norms + sb * 4 if a.kind == "llama" else 2 * sb * 4
     sizes.ln_f_recomputed = t.checkpoint.recomputes_final_norm
     sizes.ln_f_stats = 0 if sizes.ln_f_recomputed else final
+    # recomputed, it keeps x_L (the wrapper's input) and makes its keep again in backward, with a
+    # whole 4-byte copy of x_L where it upcasts
+    sizes.ln_f_remade = final + shapes.sbh * ln * (ln != r) if sizes.ln_f_recomputed else 0.0
     if a.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
         sizes.embed_temp = shapes.sbh * r + shapes.s * shapes.h * r
     else:  # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
@@ -203,8 +212,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # gathers parameters already in that dtype, so nothing is cast there.
     if t.precision.autocast_dtype and not _fsdp(t):
         sizes.block_cast = (sum(shapes.param_numels[n] for n in shapes.linear_names) - _fp8_weights(t)) * c
-        # A cast is no matmul output: selective op recompute keeps none, and backward casts again
-        sizes.casts_recomputed = t.checkpoint.saves_op_outputs
+        # Selective op recompute keeps none (a cast is no matmul output), nor does a wrapper around
+        # each Linear (it keeps the fp32 weight): backward casts again
+        sizes.casts_recomputed = t.checkpoint.recomputes_casts
         # Attention recomputed on its own saves none of its projections' casts: they go when the forward ends.
         if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp:
             sizes.attn_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n not in shapes.mlp_names) * c

@@ -20,13 +20,23 @@ class LossPlay:
 
     def head_input(self) -> float:
         """ln_f's output, the head's input, kept for backward (on the host under activation offload);
-        not by a frozen head, which needs it for no gradient of its own."""
-        return self.keep(self.shapes.sbh * self.c) if self.sizes.head_keeps_input else 0.0
+        not by a frozen head, which needs it for no gradient of its own. A recompute wrapper
+        around the head keeps it as ln_f made it, in the stream's dtype, frozen head or not."""
+        if self.sizes.head_wrapped:
+            return self.keep(self.shapes.sbh * self.r)
+        return self.keep(self.shapes.sbh * self.sizes.head_input_bytes) if self.sizes.head_keeps_input else 0.0
 
     def head_cast_kept(self) -> float:
         """Autocast's cast of the head's weight, kept from forward for backward: not by the chunked
-        loss, which casts for itself in forward and again in backward."""
-        return 0.0 if self.sizes.loss_chunks > 1 else self.keep(self.sizes.lm_head_cast)
+        loss, which casts for itself in forward and again in backward, nor by a recomputed head."""
+        return 0.0 if self.sizes.loss_chunks > 1 or self.sizes.head_wrapped else self.keep(self.sizes.lm_head_cast)
+
+    def head_remade(self) -> float:
+        """What a recomputed head makes again for its backward: the casts of its weight and input
+        (none without autocast), alive until its gradients are made."""
+        if not self.sizes.head_wrapped:
+            return 0.0
+        return self.sizes.lm_head_cast + (self.shapes.sbh * self.c if self.r != self.c else 0.0)
 
     def slices(self) -> tuple[int, float]:
         """The loss's slices of the micro-batch's tokens: how many, and the largest one's logits
@@ -99,8 +109,10 @@ class LossPlay:
         # a padded head's: the sliced logits' gradient, padded back to its rows for the matmuls
         padded = (q + self.padding()) * c if self.padding() else 0
         tl.alloc("other", padded)
+        tl.alloc("activations", self.head_remade())
         tl.alloc("other", shapes.sbh * c)  # d ln_f out
         self.grad(head, shapes.lm_head) if shapes.lm_head else tl.alloc("other", head)
+        tl.free("activations", self.head_remade())
         tl.free("other", q * 4 + padded)
 
     def compiled_loss_backward(self, q: float, head: float) -> None:
@@ -126,8 +138,10 @@ class LossPlay:
         tl.alloc("other", grads)
         tl.free("activations", kept)
         tl.free("other", grads - padded)  # the padded one feeds the matmuls
+        tl.alloc("activations", self.head_remade())
         tl.alloc("other", shapes.sbh * c)  # d ln_f out
         self.grad(head, shapes.lm_head) if shapes.lm_head else tl.alloc("other", head)
+        tl.free("activations", self.head_remade())
         tl.free("other", padded)
 
     def chunked_backward(self, q: float, head: float) -> None:

@@ -36,8 +36,10 @@ class Sizes:
     blocks: list = field(default_factory=list)  # per block: (kept for backward, kept without recompute)
     ln_f_stats: float = 0.0  # what the final norm keeps beyond its input and output, unless recomputed
     ln_f_recomputed: bool = False  # ... which it is: it keeps its input alone
+    ln_f_remade: float = 0.0  # ... and makes that keep (and its 4-byte copy) again in its backward
     ln_f_out_held: float = 0.0  # ln_f's output, held beside the head's cast of it until the loss is taken
     head_keeps_input: bool = True  # the head keeps its input (ln_f's output) for its weight's gradient
+    head_input_bytes: int = 4  # ... per element: its cast (the compute dtype), or ln_f's output itself
     embed_temp: float = 0.0  # made and dropped while the embeddings are summed into x0 (learned positions)
     rotary: float = 0.0  # rotary cos and sin, kept through forward and backward
     inner_temp: float = 0.0  # the MLP's two widest tensors, alive together inside a layer's forward and backward
@@ -64,6 +66,7 @@ class Sizes:
     attn_later: float = 0.0  # what attention recomputed on its own makes again, after the second norm's backward
     attn_cast: float = 0.0  # of them, attention's, which its recompute wrapper saves none of (cast again in backward)
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
+    head_wrapped: bool = False  # the head is recomputed: it keeps ln_f's output itself, casts it again in backward
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time
     offload_acts: bool = False  # saved tensors go to the host (save_on_cpu on a GPU)
     # ... on a side stream: a layer's saved tensors stay on the device until the next layer's

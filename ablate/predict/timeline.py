@@ -106,11 +106,17 @@ class Step(LossPlay):
         tl.free("activations", self.copying)
         self.copying = 0.0
         # What the head saved (its weight's cast, unless chunked; its input, ln_f's output), and of it on the device.
-        saved = (self.sizes.lm_head_cast if sizes.loss_chunks == 1 else 0.0) + sbh * self.c * sizes.head_keeps_input
+        if sizes.head_wrapped:  # a recomputed head's: its input alone (its casts are made again)
+            saved = sbh * r
+        else:
+            saved = (sizes.lm_head_cast if sizes.loss_chunks == 1 else 0.0) \
+                + sbh * sizes.head_input_bytes * sizes.head_keeps_input
         on_device = self.head_cast_kept() + self.head_input()
         tl.transient("activations", saved - on_device)  # back from the host
         tl.free("activations", on_device)  # the head's backward has run
+        tl.alloc("activations", sizes.ln_f_remade)  # recomputed for its backward, beside its gradients
         tl.transient("other", sizes.final_norm_backward_temp)
+        tl.free("activations", sizes.ln_f_remade)
         tl.free("activations", keep(self.sizes.ln_f_stats + sbh * r + self.ln_copy))  # and x_L
         tl.alloc("other", sbh * r)  # d x_L (replaces d ln_f out)
         tl.free("other", sbh * c)

@@ -37,6 +37,8 @@ class NoCheckpoint(Option):
     recomputes_final_norm = False  # the final norm is recomputed: it keeps nothing beyond its input
     wraps_attention = False  # a wrapper takes attention's inputs (a layer, or attention itself), so it keeps them
     saves_op_outputs = False  # what a layer keeps is chosen op by op (selective op recompute)
+    recomputes_casts = False  # no matmul keeps its weight's autocast cast: backward casts again
+    wraps_head = False  # the LM head (a Linear) is recomputed: its wrapper keeps its input, no cast
 
     def apply(self, model: nn.Module, adapter: Adapter) -> nn.Module:
         return model
@@ -171,7 +173,7 @@ class SelectiveOps(_Recompute):
     recompute, so recompute_fraction is ~0 (no matmul runs twice)."""
 
     label = "Selective op recompute"
-    wraps_attention = saves_op_outputs = True
+    wraps_attention = saves_op_outputs = recomputes_casts = True  # a cast is no matmul output
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         return parts["matmul"]  # matmul and SDPA outputs kept; norms, adds, activations recomputed
@@ -220,6 +222,14 @@ class Layers(_Recompute):
     @property
     def wraps_attention(self) -> bool:
         return "attention" in self.types
+
+    @property
+    def recomputes_casts(self) -> bool:  # every Linear wrapped: each keeps its fp32 weight, no cast
+        return "linear" in self.types
+
+    @property
+    def wraps_head(self) -> bool:
+        return "linear" in self.types
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         saved = full

@@ -1,0 +1,39 @@
+"""Layer-type recompute (checkpoint=layers: a recompute wrapper around every module of the chosen
+types) predicted against MemTracker on CPU, in 16-bit, where what the wrappers keep differs from
+what the modules they wrap would have kept."""
+from __future__ import annotations
+
+import pytest
+
+from ablate.predict.analytic import analytic
+from tests.helpers import compose_spec
+from tests.test_families import _PHI3, tiny
+from tests.test_predict import NANO, measured
+
+_LLAMA = [*tiny("llama3.2-1b", *_PHI3), "data.vocab_size=128", "optimizer=adamw_foreach", "checkpoint=layers"]
+_LLAMA_BASE = ["device=cpu", "batch_size=4", "seq_len=128"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["precision=bf16_pure"], ["precision=bf16"],
+    pytest.param(["precision=bf16", "accumulation=x4"], marks=pytest.mark.slow),
+    pytest.param(["precision=bf16", "checkpoint.types=[linear]"], marks=pytest.mark.slow),
+    pytest.param(["precision=bf16_pure", "checkpoint.types=[layernorm]"], marks=pytest.mark.slow)])
+def test_layer_type_recompute_of_a_llama_is_predicted_within_half_a_percent(overrides):
+    """The recomputed final norm makes its keep again for its backward, and its fp32 copy of a
+    16-bit stream (bf16_pure: 3.9% under when not counted). A wrapped Linear keeps its fp32 weight,
+    not autocast's cast of it, so the casts go when forward ends; the wrapped head keeps the final
+    norm's fp32 output itself, and casts it and its weight again in backward (bf16: 2.9% over,
+    counted as the casts kept to backward)."""
+    real = measured([*_LLAMA, *overrides], _LLAMA_BASE)
+    assert analytic(compose_spec([*_LLAMA_BASE, *_LLAMA, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.005)
+
+
+@pytest.mark.parametrize("checkpoint", ["layers", pytest.param("none", marks=pytest.mark.slow)])
+def test_the_chunked_loss_keeps_the_hidden_states_as_the_model_hands_them_over(checkpoint):
+    """Under autocast the chunked loss's Function saves the final norm's fp32 output and casts each
+    slice itself, in forward and again in backward; with the casts of layer-type recompute gone
+    when forward ends, the peak is the loss's forward, 0.9% under when counted as the cast."""
+    overrides = ["precision=bf16", "loss=chunked", f"checkpoint={checkpoint}"]
+    real = measured(overrides)
+    assert analytic(compose_spec([*NANO, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.003)
