@@ -1,8 +1,8 @@
-"""Benchmark: the analytic prediction against MemTracker's peak of a real CPU step, for every shipped
-Hugging Face family at its tiny size (tests/test_families.py's TINY: 2 layers, hidden 64, the
-family's own structure) × checkpoint (none, block, attention, layers, ops) × precision and
-accumulation (fp32, bf16_pure, bf16 autocast; fp32 with 4 micro-steps): the grid
-test_analytic_matches_memtracker_on_tiny_families checks, as one page.
+"""Benchmark: the analytic prediction against MemTracker's peak of a real CPU step, for every
+Hugging Face family the analytic model describes, at its tiny size (tests/test_families.py's
+TINY_FAMILIES: 2 layers, hidden 64, the family's own structure) × checkpoint (none, block,
+attention, layers, ops) × precision and accumulation (fp32, bf16_pure, bf16 autocast; fp32 with 4
+micro-steps): the grid test_analytic_matches_memtracker_on_tiny_families checks, as one page.
 
     python benchmarks/family_predict.py  ->  benchmarks/results/cpu/family_predict.md
 """
@@ -22,11 +22,10 @@ import torch  # noqa: E402
 
 from ablate.predict.analytic import analytic  # noqa: E402
 from tests.helpers import compose_spec  # noqa: E402
-from tests.test_families import tiny  # noqa: E402
+from tests.test_families import TINY_FAMILIES, tiny  # noqa: E402
 from tests.test_predict import measured  # noqa: E402
 
-FAMILIES = ["llama3.2-1b", "qwen2.5-0.5b", "mistral-7b", "pythia-160m", "qwen3-0.6b", "mixtral-8x7b", "qwen2_moe",
-            "qwen3-30b-a3b", "olmoe-1b-7b"]
+FAMILIES = TINY_FAMILIES  # the shipped families, the mixtures of experts, the brought Llama-like ones
 CHECKPOINTS = ["none", "block", "attention", "layers", "ops"]
 PRECISIONS = [("fp32", "none"), ("bf16_pure", "none"), ("bf16", "none"), ("fp32", "x4")]
 BASE = ["device=cpu", "batch_size=8", "seq_len=32"]

@@ -51,18 +51,24 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, adding: bool = False) -
     OLMoE):
     - where its backward starts, three (S, h) gradients in the dtype the routing weights'
       multiply made (fp32 with Mixtral's fp32 weights): the reordered one, the one before the
-      reorder, and the multiply's own;
+      reorder, and the multiply's own; with Qwen2-MoE's shared expert, whose gated output is added
+      after the experts', the gate's share of the input's gradient besides (s·b·h in the compute
+      dtype), and the gradient of the shared expert's output in place of that output (the sigmoid
+      gate gone);
     - at SwiGLU's backward: the product's gradient and both its factors' (3 of S·i), beside
       down's whole weight gradient (experts, i, h), less the down output's gradient and the
       product already freed (S·(h + i)): the largest where top_k·inter is wide against hidden
       (OLMoE's 8 of 64);
     - at gate_up's backward: the gradient of its output (S·2i) and both expert weights' whole
-      gradients, (experts, 3·i, h), less the same;
+      gradients, (experts, 3·i, h), less what SwiGLU's backward has freed too: the down output, the
+      product, SiLU's output and gate_up's (S·(h + 4i); the widest at scale, where the weights'
+      gradients dwarf the tokens');
     - `adding` (a later micro-step, whose weight gradients are added into the kept ones one at a
       time: `expert_moments`): the first two, down's new gradient added and gone by SwiGLU's;
     - the shared expert's gate and up gradients, as Llama's."""
     S, h, i, weighted, e = sb * a.top_k, a.hidden, a.inter, 4 if a.fp32_routing else r, a.experts
     freed = S * (h + i) * r
     at_swiglu = 3 * S * i * r + (0.0 if adding else e * i * h * g) - freed
-    at_gate_up = 2 * S * i * r + e * 3 * i * h * g - freed
-    return max(3 * S * h * weighted, at_swiglu, 0.0 if adding else at_gate_up, 2 * sb * a.shared_inter * c)
+    at_gate_up = 2 * S * i * r + e * 3 * i * h * g - S * (h + 4 * i) * r
+    start = 3 * S * h * weighted + (sb * h * c - sb * c if a.shared_inter else 0)
+    return max(start, at_swiglu, 0.0 if adding else at_gate_up, 2 * sb * a.shared_inter * c)

@@ -166,23 +166,27 @@ class Step(LossPlay):
             # outputs alive. In a later micro-step each new gradient is added into the kept one,
             # briefly both: Phi-3's one gate_up weight makes that moment its step's peak where
             # micro-batches are short, unless counted so (1.2% over, tiny Phi-3 at 128 tokens)
+            # A mixture's expert weights make their gradients at moments its inner temp counts (with
+            # them); once made, its saved tensors are gone too (1.6% over for tiny Mixtral at hidden
+            # 256 when counted to the layer's end, where attention's gradients are made)
             rest = [n for n in mlp if n not in first]
             swiglu = adding and rest and shapes.arch.kind == "llama" and not shapes.arch.experts and not sizes.tiled_mlp
-            gone_early = keep(sizes.mlp_saved) - early if swiglu else 0.0
-            tl.free("activations", gone_early)
+            gone = keep(sizes.mlp_saved) - early
+            gone_first = swiglu or bool(rest and shapes.arch.experts and not sizes.tiled_mlp)
+            tl.free("activations", gone if gone_first else 0.0)
             tl.alloc("other", inner if swiglu else 0.0)
             for n in rest:
                 self.grad(sizes.grads[n], n)
             tl.free("other", inner if swiglu else 0.0)
-            tl.alloc("activations", gone_early)
-            gone = keep(sizes.mlp_saved) - early
-            tl.transient("other", max(sizes.norm_backward_temp - gone, 0.0))
+            tl.free("activations", 0.0 if gone_first else gone)
+            tl.transient("other", sizes.norm_backward_temp)
             tl.alloc("activations", later)
-            tl.transient("other", max(sizes.attn_backward_temp - gone, 0.0))
+            tl.transient("other", sizes.attn_backward_temp)
             for n in self.block_names[i]:
                 if n not in mlp:
                     self.grad(sizes.grads[n], n)
-            kept = keep(saved) + (self.sizes.block_cast - self.sizes.attn_cast if self.keeps_cast(saved) else 0) - early
+            kept = keep(saved) + (self.sizes.block_cast - self.sizes.attn_cast if self.keeps_cast(saved) else 0) \
+                - early - gone
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0) + ahead  # and its input (x0 below)
                     - sizes.out_norm_saved)
             self.reduce(sizes.block, self.block_names[i], sync)
