@@ -87,7 +87,7 @@ def test_muon_in_backward_is_the_same_step():
 @torch.compiler.set_stance("force_eager")
 def test_adamw_bf16_keeps_bf16_moments_beside_fp32_parameters_and_follows_adamw():
     # Eager: torchao compiles its step once per parameter shape, to run the same math, and the
-    # compiled step runs in the prediction test below.
+    # compiled step runs in one case of the prediction test below.
     t, model, opt = built([*SMALL, "optimizer=adamw_bf16"])
     batch = torch.randint(0, 128, (2, 4, 16), generator=torch.Generator().manual_seed(1))
     train_step(model, opt, t.precision.grad_scaler("cpu"), t, (batch[0], batch[1]), CPU)
@@ -114,7 +114,9 @@ def _marked(family, opt, precision, ib):
 def test_the_prediction_is_exact_on_the_state_and_within_2_percent_at_the_peak(family, opt, precision, in_backward):
     base = LLAMA if family == "llama" else GPT
     overrides = [f"optimizer={opt}", f"precision={precision}", f"optimizer.in_backward={in_backward}"]
-    real, pred = measured(overrides, base=base), analytic(compose_spec([*base, *overrides]))
+    # one case takes torchao's compiled step, as a run does; the others run it eagerly (the same math)
+    compiled = (family, opt, precision, in_backward) == ("gpt2", "adamw_bf16", "fp32", "false")
+    real, pred = measured(overrides, base=base, compiled=compiled), analytic(compose_spec([*base, *overrides]))
     assert pred.steady_mib["optimizer"] * MIB == real.after["optimizer"] * MIB
     assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.02)
 
