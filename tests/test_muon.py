@@ -114,8 +114,9 @@ def _marked(family, opt, precision, ib):
 def test_the_prediction_is_exact_on_the_state_and_within_2_percent_at_the_peak(family, opt, precision, in_backward):
     base = LLAMA if family == "llama" else GPT
     overrides = [f"optimizer={opt}", f"precision={precision}", f"optimizer.in_backward={in_backward}"]
-    # one case takes torchao's compiled step, as a run does; the others run it eagerly (the same math)
-    compiled = (family, opt, precision, in_backward) == ("gpt2", "adamw_bf16", "fp32", "false")
+    # one slow case takes torchao's compiled step, as a run does (half a minute on 2 cores); the
+    # others run it eagerly (the same math)
+    compiled = (family, opt, precision, in_backward) == ("gpt2", "adamw_bf16", "bf16_pure", "false")
     real, pred = measured(overrides, base=base, compiled=compiled), analytic(compose_spec([*base, *overrides]))
     assert pred.steady_mib["optimizer"] * MIB == real.after["optimizer"] * MIB
     assert pred.peak_mib == pytest.approx(real.peak_mib, rel=0.02)
