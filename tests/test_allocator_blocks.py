@@ -9,7 +9,8 @@ import pytest
 
 from ablate.build import Techniques
 from ablate.predict.allocator import MIB, blocks_bytes, slack_bytes
-from ablate.predict.analytic import BYTES, _fsdp, analytic
+from ablate.predict.analytic import analytic
+from ablate.predict.model_state import BYTES, fsdp_shards
 from ablate.predict.shapes import shapes_of
 from ablate.techniques.peft import DoRA, QLoRA
 from tests.helpers import ROOT, compose_spec
@@ -66,7 +67,7 @@ def test_the_blocks_are_the_allocator_peak_after_every_recorded_build():
         t = Techniques.of(spec)
         # FSDP's shards and offloaded parameters are allocated otherwise; a 4-bit base and DoRA's
         # magnitudes are made through temporaries, which set the build's peak
-        if _fsdp(t) or isinstance(t.peft, (DoRA, QLoRA)):
+        if fsdp_shards(t) or isinstance(t.peft, (DoRA, QLoRA)):
             continue
         shapes = shapes_of(spec, t)
         sizes = [n * BYTES[t.precision.param_dtype] for n in shapes.param_numels.values()]

@@ -7,7 +7,8 @@ import torch
 from ablate.capacity import CUDA_CONTEXT_MIB
 from ablate.data import Synthetic
 from ablate.measure import MIB, traced_step
-from ablate.predict.analytic import CUBLAS_WORKSPACES, analytic
+from ablate.predict.analytic import analytic
+from ablate.predict.model_state import CUBLAS_WORKSPACES
 from ablate.train import train_step
 from helpers import compose_spec, results_under, run_cli, train_nano
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from ablate import hardware
 from ablate.hardware import Device, flops_per_token
 from ablate.models import param_change
-from ablate.predict.analytic import BYTES, sized
+from ablate.predict.analytic import sized
+from ablate.predict.model_state import BYTES
 from ablate.predict.timeline import Step
 
 # Counted, not fit: each byte a layer keeps for backward is written and read once in forward, read
