@@ -1,7 +1,6 @@
 """The analytic memory model against torch's MemTracker on real CPU steps, and its effects."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
@@ -20,11 +19,9 @@ MIB = 2**20
 NANO = ["model=gpt-nano", "model.vocab_size=128", "data.vocab_size=128", "device=cpu", "batch_size=8", "seq_len=32"]
 
 
-def measured(overrides: list[str], base: list[str] = NANO, extra: dict | None = None,
-             compiled: bool = False) -> measure.Trace:
+def measured(overrides: list[str], base: list[str] = NANO, extra: dict | None = None) -> measure.Trace:
     """MemTracker on the second real step of the point (the first allocates optimizer states);
-    `extra`: option nodes of groups the config has not got (a test's own); `compiled`: the first
-    step as a run takes it, torch.compile'd optimizer steps compiled, else eager as the traced one."""
+    `extra`: option nodes of groups the config has not got (a test's own)."""
     spec = compose_spec([*base, *overrides])
     spec.groups.update(extra or {})
     t = check_config(spec, "cpu")
@@ -38,9 +35,7 @@ def measured(overrides: list[str], base: list[str] = NANO, extra: dict | None = 
         batch = torch.randint(0, spec.groups["data"]["vocab_size"], (2, spec.batch_size, spec.seq_len))  # made inside the step, as in runs
         train_step(model, optimizer, scaler, t, (batch[0], batch[1]), cpu)
 
-    # Compiling torchao's per-tensor steps takes up to minutes on a CPU and changes no byte of the states.
-    with contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager"):
-        step()
+    step()
     return measure.traced_step(step, model, optimizer, cpu)
 
 
