@@ -78,13 +78,14 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
     sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
-    if a.post_norm:  # OLMo 2's RMSNorm is fp32 throughout: four (B, T, h) fp32 tensors at its backward's
-        # widest, whatever the stream's dtype; its norm on the MLP's output runs first in the layer's
-        # backward, beside everything the layer keeps (fitted on CPU: tiny OLMo 2, fp32 and bf16)
-        sizes.norm_backward_temp = sizes.out_norm_backward_temp = 4 * shapes.sbh * 4
-        sizes.out_norm_saved = 2 * shapes.sbh * 4 + sb * 4  # its fp32 input and normalised values, the rsqrt
+    if a.post_norm or a.fp32_norm and r != 4:  # an RMSNorm fp32 throughout: four (B, T, h) fp32 tensors at
+        # its backward's widest; on an fp32 stream Gemma's is Llama's (fitted on CPU: tiny OLMo 2 and Gemma)
+        sizes.norm_backward_temp = 4 * shapes.sbh * 4
         # the final one: the head's 16-bit gradient cast up beside, its fp32 normalised values gone first
         sizes.final_norm_backward_temp = sizes.norm_backward_temp + shapes.sbh * (r - 4)
+    if a.post_norm:  # its norm on the MLP's output runs first in the layer's backward, beside everything the layer keeps
+        sizes.out_norm_backward_temp = sizes.norm_backward_temp
+        sizes.out_norm_saved = 2 * shapes.sbh * 4 + sb * 4  # its fp32 input and normalised values, the rsqrt
     if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
         # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
         # making room for it, a frozen one kept none (fitted on CPU: tiny Llama, LoRA over a tiled MLP)
@@ -110,8 +111,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.ln_f_out_held = shapes.sbh * r
     # The final norm's own keep: LayerNorm's mean and rstd, or RMSNorm's rsqrt and normalised input
     # (for its weight's gradient).
-    # (OLMo 2's RMSNorm keeps its normalised values in fp32: it multiplies by the weight before casting back)
-    final = shapes.sbh * (4 if a.post_norm else r) * tr.norms + sb * 4 if a.kind == "llama" else 2 * sb * 4
+    # (OLMo 2's and Gemma's keep them in fp32: they multiply by the weight before casting back)
+    final = shapes.sbh * (4 if a.fp32_norm else r) * tr.norms + sb * 4 if a.kind == "llama" else 2 * sb * 4
     sizes.ln_f_recomputed = t.checkpoint.recomputes_final_norm
     sizes.ln_f_stats = 0 if sizes.ln_f_recomputed else final
     # recomputed, it keeps x_L (the wrapper's input) and makes its keep again in backward, with a
@@ -119,7 +120,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.ln_f_remade = final + shapes.sbh * ln * (ln != r) if sizes.ln_f_recomputed else 0.0
     if a.kind == "gpt2":  # wte(idx) and wpe(pos), added into x0
         sizes.embed_temp = shapes.sbh * r + shapes.s * shapes.h * r
-    else:  # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
+    else:
+        sizes.embed_temp = shapes.sbh * r if a.scaled_embed else 0.0  # the lookup, before its scaled copy
+        # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
         sizes.rotary = 2 * shapes.s * a.head_dim * r
     if t.checkpoint.wraps_attention:  # a recompute wrapper keeps its inputs, the mask among them
         sizes.rotary += eager_mask(a, shapes.b, shapes.s, c, at)

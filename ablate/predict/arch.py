@@ -14,7 +14,14 @@ MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe"
 FUSED_PROJ = ("phi3",)
 # OLMo 2: the llama layer's two norms moved onto the attention's and the MLP's outputs
 POST_NORM = ("olmo2",)
-LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", *FUSED_PROJ, *POST_NORM, *MOE)
+# Gemma: the llama layer with GELU's gate in place of SiLU's (as many bytes kept) and the embeddings
+# scaled by sqrt(hidden)
+SCALED_EMBED = ("gemma",)
+# RMSNorm multiplying by its weight in fp32 and casting the product back: it keeps its normalised
+# values in fp32 whatever the stream's dtype (Llama's casts them back first)
+FP32_NORM = (*POST_NORM, *SCALED_EMBED)
+LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", *FUSED_PROJ, *POST_NORM, *SCALED_EMBED,
+              *MOE)
 # RMSNorm on q and on k before rotary: over each head's head_dim, or over the whole projection
 QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj", "olmo2": "proj"}
 
@@ -40,6 +47,8 @@ class Arch:
     fp32_routing: bool = False  # Mixtral keeps the routing weights in fp32; the others cast them to the logits'
     fused_proj: bool = False  # q, k and v one Linear's output, gate and up another's (Phi-3)
     post_norm: bool = False  # each sub-layer's output normalised before its residual add, none before (OLMo 2)
+    fp32_norm: bool = False  # RMSNorm keeps its normalised values in fp32 (FP32_NORM)
+    scaled_embed: bool = False  # the embeddings' output is multiplied into a new tensor (Gemma)
 
 
 def arch_of(family) -> Arch:
@@ -60,7 +69,8 @@ def hf_arch(hf) -> Arch:
                     getattr(hf, "num_key_value_heads", None) or heads,
                     getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
                     tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=QK_NORM.get(kind, ""),
-                    fused_proj=kind in FUSED_PROJ, post_norm=kind in POST_NORM, **sizes)
+                    fused_proj=kind in FUSED_PROJ, post_norm=kind in POST_NORM, fp32_norm=kind in FP32_NORM,
+                    scaled_embed=kind in SCALED_EMBED, **sizes)
     raise Unmodelled(f"no analytic memory model for model_type={kind}")
 
 

@@ -9,7 +9,8 @@ giving the bytes it keeps for backward beyond its input. Three layouts cover the
   them, as many bytes) and Granite (its multipliers scale tensors nothing keeps). Qwen3 is this
   layer with an RMSNorm on each query and key head (qk_norm); Phi-3 with q, k and v one Linear's
   output and gate and up another's (fused_proj); OLMo 2 with its two norms on the attention's and
-  the MLP's outputs instead of their inputs (post_norm, `_post_norm`). The mixtures of experts
+  the MLP's outputs instead of their inputs (post_norm, `_post_norm`); Gemma with GELU's gate in
+  place of SiLU's (as many bytes) and norms that keep their normalised values in fp32 (fp32_norm). The mixtures of experts
   Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are this layer with a routed block of SwiGLU experts in
   place of the MLP (ablate/predict/experts.py).
 - neox: GPT-NeoX / Pythia (LayerNorm, fused qkv, partial rotary, attention and MLP in parallel
@@ -128,7 +129,7 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     sbh, q, kv = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.kv_heads * a.head_dim
     lse, rsqrt = sb * a.heads * 4, sb * 4
     sdpa, sdpa_matmul = ((q + 2 * kv) * c + lse, lse) if at.kind == FUSED else scores(a, sb, c, at)
-    norm = sbh * r + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
+    norm = sbh * (4 if a.fp32_norm else r) + rsqrt  # kept by one RMSNorm beyond its fp32 input and its output
     attn = q * c + sdpa  # SDPA out; q, k after rotary, v and the lse (or the math backend's, eager's)
     # q_norm and k_norm (RMSNorm over each head, or OLMoE's over the whole projection): the
     # projection's output in fp32 (itself in fp32, else a copy), the rsqrt (one fp32 per token and
@@ -165,7 +166,7 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     # attn_input: ln_1's output as q, k and v keep it (three casts under autocast, else one) less as
     # a recompute wrapper around attention keeps it (the norm's output, in the stream's dtype)
     return full, {"attn": attn, "attn_input": (ln_1_casts * c if r != c else c) * sbh - r * sbh, "mlp": mlp_recomputed,
-                  "norm": 2 * (sbh * 4 + rsqrt), "qk_norm": qk_recomputed,
+                  "norm": 2 * (norm + sbh * (4 - r)), "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA; the MLP's
                   "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul, "mlp_matmul": mlp_matmul,
                   "mlp_input": (ln_2_casts if r != c else 1) * sbh * c,
