@@ -37,3 +37,21 @@ def test_the_chunked_loss_keeps_the_hidden_states_as_the_model_hands_them_over(c
     overrides = ["precision=bf16", "loss=chunked", f"checkpoint={checkpoint}"]
     real = measured(overrides)
     assert analytic(compose_spec([*NANO, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.003)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("llama3.2-1b", []), ("pythia-160m", []),
+    pytest.param("llama3.2-1b", ["accumulation=x4"], marks=pytest.mark.slow),
+    pytest.param("qwen2.5-0.5b", [], marks=pytest.mark.slow)])
+def test_the_mlp_recomputed_alone_under_autocast_casts_its_weights_again(name, overrides):
+    """The MLP recomputed on its own under autocast keeps none of its weights' casts from forward
+    (the wrapper saves no matmul input), casts them and its input again in backward beside the
+    norm output its wrapper holds, and lets the output projection's cast go with that projection's
+    backward. Counted as casts kept from forward, tiny Llama at hidden 256 was 3.3% over (4.0% at
+    four micro-batches), Qwen2 1.8% at hidden 64; with its input's casts left out, Pythia 2.1% under."""
+    width = _PHI3 if name == "llama3.2-1b" else []
+    full = [*tiny(name, *width), "data.vocab_size=128", "optimizer=adamw_foreach", "checkpoint=mlp",
+            "precision=bf16", *overrides]
+    base = _LLAMA_BASE if name == "llama3.2-1b" else ["device=cpu", "batch_size=8", "seq_len=32"]
+    real = measured(full, base)
+    assert analytic(compose_spec([*base, *full])).peak_mib == pytest.approx(real.peak_mib, rel=0.005)

@@ -64,7 +64,11 @@ class Sizes:
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
     casts_recomputed: bool = False  # a layer's recompute keeps none of them however much else it keeps (cast again)
     attn_later: float = 0.0  # what attention recomputed on its own makes again, after the second norm's backward
-    attn_cast: float = 0.0  # of them, attention's, which its recompute wrapper saves none of (cast again in backward)
+    # an MLP recomputed on its own under autocast casts its input again, while its wrapper keeps
+    # that input (the norm's output) beside the casts: what full - saved nets off
+    mlp_input_remade: float = 0.0
+    out_proj_cast: float = 0.0  # ... and its output projection's cast, which only that projection's backward needs
+    sublayer_cast: float = 0.0  # of them, a sub-layer's recomputed on its own, whose wrapper saves none (cast again in backward)
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     head_wrapped: bool = False  # the head is recomputed: it keeps ln_f's output itself, casts it again in backward
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time

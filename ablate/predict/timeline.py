@@ -91,7 +91,7 @@ class Step(LossPlay):
         self.loss_forward()
         tl.free("activations", sizes.ln_f_out_held)
         # Autocast's cache goes with the forward: casts backward does not need on the device with it.
-        tl.free("activations", sum(sizes.block_cast if not self.keeps_cast(saved) else sizes.attn_cast
+        tl.free("activations", sum(sizes.block_cast if not self.keeps_cast(saved) else sizes.sublayer_cast
                                    for saved, _ in sizes.blocks)
                 + sizes.lm_head_cast - self.head_cast_kept())
         if sizes.reshard:  # the root's forward ends with the loss; its backward gathers it again
@@ -129,7 +129,8 @@ class Step(LossPlay):
             tl.alloc("activations", ahead)
             back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
             # cast again (attention's alone, where only it is recomputed), or copied back
-            back += self.sizes.attn_cast if self.keeps_cast(saved) else self.sizes.block_cast
+            back += self.sizes.sublayer_cast if self.keeps_cast(saved) else self.sizes.block_cast
+            back += sizes.mlp_input_remade if full > saved else 0.0
             early, later = 0.0, 0.0  # kept bytes freed before the recompute; recomputed after the second norm's backward
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
             # the output projection's gradients come first: its backward runs before the activation's
@@ -150,6 +151,9 @@ class Step(LossPlay):
                 if recomputed_first:
                     self.out_norm_backward()
                     self.out_proj_grads(first)
+                    # the output projection's weight, cast again by the MLP's recompute, goes with its backward
+                    tl.free("activations", sizes.out_proj_cast)
+                    back -= sizes.out_proj_cast
                 tl.transient("other", inner)  # d c_fc out and d GELU out alive together
                 self.expert_grads(adding)
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
@@ -157,7 +161,7 @@ class Step(LossPlay):
                 self.expert_grads(adding)
                 early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
-                later = min(back, sizes.attn_later + sizes.attn_cast)  # attention's own, made in its turn
+                later = min(back, sizes.attn_later + sizes.sublayer_cast)  # attention's own, made in its turn
                 tl.alloc("activations", back - later)
             # after the MLP's backward (its saved tensors gone, its weights' gradients made): the second
             # norm's fp32 gradients, then attention's (T, T) ones, recomputed on its own only now
@@ -185,7 +189,7 @@ class Step(LossPlay):
             for n in self.block_names[i]:
                 if n not in mlp:
                     self.grad(sizes.grads[n], n)
-            kept = keep(saved) + (self.sizes.block_cast - self.sizes.attn_cast if self.keeps_cast(saved) else 0) \
+            kept = keep(saved) + (self.sizes.block_cast - self.sizes.sublayer_cast if self.keeps_cast(saved) else 0) \
                 - early - gone
             tl.free("activations", kept + back + (keep(sbh * r) if i else 0) + ahead  # and its input (x0 below)
                     - sizes.out_norm_saved)

@@ -36,6 +36,7 @@ class NoCheckpoint(Option):
     recompute_with_mlp = True  # a layer's recompute is alive during its MLP's backward (else after it)
     recomputes_final_norm = False  # the final norm is recomputed: it keeps nothing beyond its input
     wraps_attention = False  # a wrapper takes attention's inputs (a layer, or attention itself), so it keeps them
+    wraps_mlp = False  # the MLP alone is recomputed
     saves_op_outputs = False  # what a layer keeps is chosen op by op (selective op recompute)
     recomputes_casts = False  # no matmul keeps its weight's autocast cast: backward casts again
     wraps_head = False  # the LM head (a Linear) is recomputed: its wrapper keeps its input, no cast
@@ -124,6 +125,10 @@ class Sublayer(_Recompute):
     @property
     def wraps_attention(self) -> bool:
         return self.part == "attn"
+
+    @property
+    def wraps_mlp(self) -> bool:
+        return self.part == "mlp"
 
     def kept(self, index: int, full: float, parts: dict) -> float:
         # the sub-layer's input (a norm output) is kept, in place of its projections' casts of it
