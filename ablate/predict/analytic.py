@@ -38,6 +38,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     """One rank's sizes and switches for the step: model state, then what the forward keeps."""
     sizes = model_state(t, shapes, device)
     a, sb = shapes.arch, shapes.sb
+    if a.window and shapes.s >= a.window:
+        raise Unmodelled(f"no analytic memory model for sliding-window layers at seq_len={shapes.s} >= "
+                         f"sliding_window={a.window}: SDPA takes a (T, T) mask")
     # Bytes per element, in the formulas' notation (ablate/predict/layers.py): c of the compute
     # dtype, r of the residual stream, ln of what a norm keeps of its input. Autocast adds the
     # residual stream in fp32, unless FSDP's mixed precision gathers the embeddings in the compute
@@ -60,6 +63,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.forward_temp = forward_temp(a, sb, r, c, tr)
     sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
+    sizes.mlp_alone = t.checkpoint.wraps_mlp
     sizes.mlp_saved = mlp_saves(a, sb, r, c, ln, tr)
     at = Attention(t.attention.saves(a, device, c), shapes.s,
                    # CUDA's autocast runs softmax in fp32; CPU's leaves it in the scores' dtype
@@ -78,13 +82,20 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
     sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
+    if a.kind == "llama" and r == 4 and c != 4:  # under autocast the head's 16-bit input gradient meets the fp32
+        # stream there: 6·sbh bytes more (fitted on CPU: tiny Llama and Gemma 3, hidden 256, batch 4 and 8)
+        sizes.final_norm_backward_temp += shapes.sbh * (4 + c)
     if a.post_norm or a.fp32_norm and r != 4:  # an RMSNorm fp32 throughout: four (B, T, h) fp32 tensors at
         # its backward's widest; on an fp32 stream Gemma's is Llama's (fitted on CPU: tiny OLMo 2 and Gemma)
         sizes.norm_backward_temp = 4 * shapes.sbh * 4
         # the final one: the head's 16-bit gradient cast up beside, its fp32 normalised values gone first
         sizes.final_norm_backward_temp = sizes.norm_backward_temp + shapes.sbh * (r - 4)
-    if a.post_norm:  # its norm on the MLP's output runs first in the layer's backward, beside everything the layer keeps
-        sizes.out_norm_backward_temp = sizes.norm_backward_temp
+    if a.sandwich and c != 4:  # its post-norms read a 16-bit projection output: fp32 throughout, as OLMo 2's,
+        # and the one on attention's output runs after the pre-MLP norm's backward (fitted on CPU: tiny Gemma 3)
+        sizes.norm_backward_temp = max(sizes.norm_backward_temp, 4 * shapes.sbh * 4)
+    if a.out_norms:  # its norm on the MLP's output runs first in the layer's backward, beside everything the layer
+        # keeps: fp32 throughout, whatever the stream's dtype (fitted on CPU: tiny OLMo 2 and Gemma 3)
+        sizes.out_norm_backward_temp = max(sizes.norm_backward_temp, 4 * shapes.sbh * 4)
         sizes.out_norm_saved = 2 * shapes.sbh * 4 + sb * 4  # its fp32 input and normalised values, the rsqrt
     if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
         # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
@@ -123,7 +134,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     else:
         sizes.embed_temp = shapes.sbh * r if a.scaled_embed else 0.0  # the lookup, before its scaled copy
         # rotary: cos and sin, (1, T, head_dim) in the stream's dtype, shared by every layer
-        sizes.rotary = 2 * shapes.s * a.head_dim * r
+        sizes.rotary = 2 * shapes.s * a.head_dim * r * a.rotary_tables
     if t.checkpoint.wraps_attention:  # a recompute wrapper keeps its inputs, the mask among them
         sizes.rotary += eager_mask(a, shapes.b, shapes.s, c, at)
     # Autocast casts each Linear's weight and bias to the compute dtype at first use, caches the

@@ -14,16 +14,18 @@ MOE = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "qwen2_moe"
 FUSED_PROJ = ("phi3",)
 # OLMo 2: the llama layer's two norms moved onto the attention's and the MLP's outputs
 POST_NORM = ("olmo2",)
+# Gemma 3: the llama layer's pre-norms and OLMo 2's post-norms both (four per layer)
+SANDWICH = ("gemma3_text",)
 # Gemma: the llama layer with GELU's gate in place of SiLU's (as many bytes kept) and the embeddings
 # scaled by sqrt(hidden)
-SCALED_EMBED = ("gemma",)
+SCALED_EMBED = ("gemma", *SANDWICH)
 # RMSNorm multiplying by its weight in fp32 and casting the product back: it keeps its normalised
 # values in fp32 whatever the stream's dtype (Llama's casts them back first)
 FP32_NORM = (*POST_NORM, *SCALED_EMBED)
 LLAMA_LIKE = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", *FUSED_PROJ, *POST_NORM, *SCALED_EMBED,
               *MOE)
 # RMSNorm on q and on k before rotary: over each head's head_dim, or over the whole projection
-QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj", "olmo2": "proj"}
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj", "olmo2": "proj", "gemma3_text": "head"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,16 @@ class Arch:
     post_norm: bool = False  # each sub-layer's output normalised before its residual add, none before (OLMo 2)
     fp32_norm: bool = False  # RMSNorm keeps its normalised values in fp32 (FP32_NORM)
     scaled_embed: bool = False  # the embeddings' output is multiplied into a new tensor (Gemma)
+    sandwich: bool = False  # post_norm's norms on the sub-layers' outputs beside the llama layer's on their inputs
+    # Sliding-window layers (Gemma 3): transformers hands SDPA no mask while the sequence is shorter
+    # than the window (each is then plain causal attention), a (T, T) one from there on
+    window: int = 0
+    rotary_tables: int = 1  # cos and sin per attention kind (Gemma 3's local and global bases)
+
+    @property
+    def out_norms(self) -> bool:
+        """An RMSNorm on each sub-layer's output: the MLP's runs first in the layer's backward."""
+        return self.post_norm or self.sandwich
 
 
 def arch_of(family) -> Arch:
@@ -61,8 +73,12 @@ def hf_arch(hf) -> Arch:
     """The sizes of a transformers config `hf` whose layers this module describes; else Unmodelled."""
     kind = getattr(hf, "model_type", None)
     if kind in LLAMA_LIKE or kind == "gpt_neox":
-        if "sliding_attention" in (getattr(hf, "layer_types", None) or ()):  # SDPA then takes a (T, T) mask
-            raise Unmodelled(f"no analytic memory model for model_type={kind} with sliding-window layers")
+        kinds = set(getattr(hf, "layer_types", None) or ())
+        window = 0
+        if "sliding_attention" in kinds:
+            if kind not in SANDWICH:  # SDPA then takes a (T, T) mask
+                raise Unmodelled(f"no analytic memory model for model_type={kind} with sliding-window layers")
+            window = hf.sliding_window
         heads = hf.num_attention_heads
         sizes = {"inter": hf.intermediate_size, **(_moe_sizes(hf) if kind in MOE else {})}
         return Arch("llama" if kind in LLAMA_LIKE else "neox", hf.num_hidden_layers, hf.hidden_size, heads,
@@ -70,7 +86,8 @@ def hf_arch(hf) -> Arch:
                     getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
                     tied=bool(hf.tie_word_embeddings), head_rows=hf.vocab_size, qk_norm=QK_NORM.get(kind, ""),
                     fused_proj=kind in FUSED_PROJ, post_norm=kind in POST_NORM, fp32_norm=kind in FP32_NORM,
-                    scaled_embed=kind in SCALED_EMBED, **sizes)
+                    scaled_embed=kind in SCALED_EMBED, sandwich=kind in SANDWICH, window=window,
+                    rotary_tables=len(kinds) if kind in SANDWICH and kinds else 1, **sizes)
     raise Unmodelled(f"no analytic memory model for model_type={kind}")
 
 

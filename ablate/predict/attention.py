@@ -48,9 +48,13 @@ def attention_temps(a: Arch, sb: int, c: int, r: int, ln: int, at: Attention) ->
     grads = 2 * probs
     if at.kind == EAGER and at.fp32_softmax and c != 4:  # the fp32 softmax's gradient, cast back by its backward
         grads = sb * a.heads * at.seq * (4 + c)
-    # its input and output (GPT-2); RMSNorm's fp32 input, normalised input (in the stream's dtype) and
-    # output, or under autocast the MLP's two casts of that output in its place
-    second_norm = sb * a.hidden * (ln + (r + (2 * c if r != c else c) if a.kind == "llama" else c))
+    # its input and output (GPT-2); RMSNorm's fp32 input, normalised input (in the stream's dtype, or
+    # fp32: fp32_norm) and output, or under autocast the MLP's two casts of that output in its place;
+    # Gemma 3's norm on attention's output too (its fp32 input, normalised values and rsqrt)
+    normalised = 4 if a.fp32_norm else r
+    second_norm = sb * a.hidden * (ln + (normalised + (2 * c if r != c else c) if a.kind == "llama" else c))
+    if a.sandwich:
+        second_norm += sb * a.hidden * 8 + sb * 4
     return probs, grads - second_norm
 
 

@@ -10,7 +10,9 @@ giving the bytes it keeps for backward beyond its input. Three layouts cover the
   layer with an RMSNorm on each query and key head (qk_norm); Phi-3 with q, k and v one Linear's
   output and gate and up another's (fused_proj); OLMo 2 with its two norms on the attention's and
   the MLP's outputs instead of their inputs (post_norm, `_post_norm`); Gemma with GELU's gate in
-  place of SiLU's (as many bytes) and norms that keep their normalised values in fp32 (fp32_norm). The mixtures of experts
+  place of SiLU's (as many bytes) and norms that keep their normalised values in fp32 (fp32_norm);
+  Gemma 3 with OLMo 2's post-norms beside the pre-norms (sandwich) and fp32 q/k norms per head,
+  while its sliding-window layers see no mask (shorter than the window). The mixtures of experts
   Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE are this layer with a routed block of SwiGLU experts in
   place of the MLP (ablate/predict/experts.py).
 - neox: GPT-NeoX / Pythia (LayerNorm, fused qkv, partial rotary, attention and MLP in parallel
@@ -70,7 +72,7 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, a
         raise Unmodelled(f"no memory model for checkpoint option {type(option).__name__} (it has no kept())")
     saved = kept(index, full, parts)
     ops = getattr(option, "saves_op_outputs", False)
-    if ops and not tiled_mlp and not a.post_norm:
+    if ops and not tiled_mlp and not a.out_norms:
         # Selective op recompute keeps every matmul's output in its cache and hands each back as the
         # recompute reaches it; the recompute stops at the last tensor backward needs, the input of
         # the layer's last matmul, whose output, needed by nothing, then stays cached until the
@@ -135,8 +137,9 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     # projection's output in fp32 (itself in fp32, else a copy), the rsqrt (one fp32 per token and
     # head, or per token) and the normalised values in the projection's dtype, which the weight
     # multiplies. Recomputed, such a norm keeps only its input, which the projection makes anyway (c).
+    # (Gemma 3's multiply in fp32, keeping fp32 normalised values)
     rsqrts = {"head": sb * (a.heads + a.kv_heads) * 4, "proj": 2 * sb * 4}.get(a.qk_norm, 0)
-    qk = (q + kv) * (4 + c) + rsqrts if a.qk_norm else 0
+    qk = (q + kv) * (4 + (4 if a.fp32_norm else c)) + rsqrts if a.qk_norm else 0
     qk_recomputed = qk - (q + kv) * c if a.qk_norm else 0
     attn += qk
     ln_1_casts = 3  # the projections reading ln_1's output
@@ -159,6 +162,10 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     # (autocast caches casts of weights only): q, k and v keep 3 copies of ln_1's, the MLP its own of ln_2's.
     outs = (ln_1_casts + ln_2_casts if r != c else 1 + 1) * sbh * c
     full = sbh * (4 - r) + 2 * norm + outs + attn + sbh * 4 + mlp
+    # Gemma 3's post-norms, as OLMo 2's: each keeps its input in fp32 (a copy of the c-byte
+    # projection output), the fp32 normalised values and the rsqrt; recomputed, only that input
+    post = sbh * 8 + rsqrt if a.sandwich else 0.0
+    full += 2 * post
     # Recomputed, the MLP keeps ln_2's output (r) in place of its casts of it (when r != c).
     mlp_recomputed = mlp + (ln_2_casts * sbh * c - sbh * r if r != c else 0) if a.experts else mlp
     # A recomputed RMSNorm keeps only its input (r): its fp32 copy (when r != 4) goes too, and the
@@ -166,7 +173,8 @@ def _llama(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(
     # attn_input: ln_1's output as q, k and v keep it (three casts under autocast, else one) less as
     # a recompute wrapper around attention keeps it (the norm's output, in the stream's dtype)
     return full, {"attn": attn, "attn_input": (ln_1_casts * c if r != c else c) * sbh - r * sbh, "mlp": mlp_recomputed,
-                  "norm": 2 * (norm + sbh * (4 - r)), "qk_norm": qk_recomputed,
+                  "norm": 2 * (norm + sbh * (4 - r)) + (2 * (post - sbh * c) if post else 0.0),
+                  "qk_norm": qk_recomputed,
                   # q/k/v and o projections, SDPA; the MLP's
                   "matmul": (q + 2 * kv + q + sbh) * c + sdpa_matmul + mlp_matmul, "mlp_matmul": mlp_matmul,
                   "mlp_input": (ln_2_casts if r != c else 1) * sbh * c,

@@ -49,6 +49,7 @@ class Sizes:
     forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
     recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
+    mlp_alone: bool = False  # ... and is the MLP's alone: a norm on its output runs its backward before it
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
     tiled_mlp: bool = False  # the MLP runs slice by slice: its weights' gradients exist from the first slice's backward
     mlp_untiled: float = 0.0  # ... what one layer's MLP would keep untiled, made slice by slice instead (step time)

@@ -139,8 +139,9 @@ class Step(LossPlay):
             inner = sizes.inner_temp_adding if adding and sizes.inner_temp_adding is not None else sizes.inner_temp
             # the projection's backward asks for its input: a layer recomputed beside its MLP is recomputed first
             recomputed_first = sizes.recompute_with_mlp and full > saved and not sizes.tiled_mlp
-            if not recomputed_first:
+            if not recomputed_first or sizes.mlp_alone:  # a post-norm outside the MLP's wrapper goes first
                 self.out_norm_backward()
+            if not recomputed_first:
                 self.out_proj_grads(first)
             if sizes.recompute_with_mlp:  # the whole layer, or its MLP, recomputed before the MLP's backward
                 tl.alloc("other", sizes.recompute_grads if full > saved else 0.0)
@@ -149,7 +150,8 @@ class Step(LossPlay):
                     tl.transient("activations", sizes.forward_temp)
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
                 if recomputed_first:
-                    self.out_norm_backward()
+                    if not sizes.mlp_alone:
+                        self.out_norm_backward()
                     self.out_proj_grads(first)
                     # the output projection's weight, cast again by the MLP's recompute, goes with its backward
                     tl.free("activations", sizes.out_proj_cast)
