@@ -41,9 +41,9 @@ FULL = Training()
 def change(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     """Bytes by part ("attn", "mlp", "norm", "matmul") a layer that trains as `tr` says keeps beyond
     the fully trained layer's; Unmodelled for a layout without a model here."""
-    if a.kind not in _TRAINED or a.experts or a.qk_norm or a.fused_proj:
+    if a.kind not in _TRAINED or a.experts or a.fused_proj or a.post_norm:
         raise Unmodelled(f"no analytic memory model for adapters on a {a.kind} layer"
-                         f"{' of experts' if a.experts else ''}{' with q/k norms' if a.qk_norm else ''}"
+                         f"{' of experts' if a.experts else ''}{' with post-norms only' if a.post_norm else ''}"
                          f"{' with fused projections' if a.fused_proj else ''}")
     # GPT-2 under DoRA measures within 0.2% of this model without recompute, but 2.5% over it with
     # block recompute, where the recomputed weight norm's graph, lora_B(lora_A(eye)), stays in the
@@ -97,6 +97,16 @@ def adapter_temp(a: Arch, sb: int, r: int, c: int) -> float:
     return widest * (4 + c) + sbh * (c + 4)
 
 
+def forward_tail(a: Arch, sb: int, r: int, c: int, tr: Training) -> float:
+    """Made in a layer's first forward after the last tensor it saves, so a recompute, which stops
+    there, never makes it (bytes): under autocast the branch's output on the MLP's last Linear and
+    its scaled copy, (tokens, hidden) each, beside `adapter_temp` (fitted on CPU: tiny Llama at
+    hidden 256, 512 to 1,024 tokens; ablate's GPT-2, whose c_proj adds a bias, measures without it)."""
+    if tr.mlp != "adapter" or tr.dora or r == c or a.kind != "llama":
+        return 0.0
+    return 2 * sb * a.hidden * c
+
+
 def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL) -> float:
     """Gradients alive when a recomputed layer is run again (bytes): with an adapter on the MLP's
     last Linear, its first saved tensor is asked for only after its output's gradient was scaled
@@ -135,11 +145,17 @@ def _llama_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     copies = autocast or tr.dropout
     attn_in = [(sbh, 3, (3 if autocast else 1) * sbh * c, (a.heads + 2 * a.kv_heads) * a.head_dim), (q, 1, -1, a.hidden)]
     mlp_in = [(sbh, 2, (2 if autocast else 1) * sbh * c, 2 * a.inter), (inter, 1, inter * c, a.hidden)]
-    change = {"norm": 0.0 if tr.norms else -2 * sbh * r}
+    # frozen, each RMSNorm's weight multiply keeps none of its normalised values: the pre-norms'
+    # (fp32: fp32_norm), the post-norms' (fp32: they read 16-bit outputs), the q/k norms' (in the
+    # projections' dtype, or fp32)
+    change = {"norm": 0.0 if tr.norms else -2 * sbh * (4 if a.fp32_norm else r) - (2 * sbh * 4 if a.sandwich else 0)}
+    qk = 0.0 if tr.norms or not a.qk_norm else -sb * (a.heads + a.kv_heads) * a.head_dim * (4 if a.fp32_norm else c)
     for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
         mode = getattr(tr, part)
         change[part] = (_branches(tr, sb, c, inputs, copies) if mode == "adapter"
                         else _frozen(inputs) if mode == "frozen" else 0.0)
+    change["attn"] += qk
+    change["qk_norm"] = qk  # (of attention's: WITHIN)
     change["matmul"] = 0.0
     return change
 
@@ -161,6 +177,7 @@ def _gpt2_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
 
 
 _TRAINED = {"llama": _llama_trained, "gpt2": _gpt2_trained}
+WITHIN = ("qk_norm",)  # parts that are bytes of another part (attention's), counted once in the layer's sum
 
 
 def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float) -> float:

@@ -22,7 +22,7 @@ import math
 
 from ablate.build import Techniques
 from ablate.predict import Prediction
-from ablate.predict.adapters import FULL, Training, recompute_grads, unfed
+from ablate.predict.adapters import FULL, Training, forward_tail, recompute_grads, unfed
 from ablate.predict.allocator import slack_bytes
 from ablate.predict.attention import Attention, attention_temps, eager_mask
 from ablate.predict.experts import expert_moments
@@ -61,6 +61,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
     sizes.out_proj_input_grad = 0.0 if a.experts else sb * a.inter * c
     sizes.forward_temp = forward_temp(a, sb, r, c, tr)
+    sizes.forward_tail = forward_tail(a, sb, r, c, tr)
     sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
     sizes.mlp_alone = t.checkpoint.wraps_mlp
@@ -100,7 +101,14 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
         # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
         # making room for it, a frozen one kept none (fitted on CPU: tiny Llama, LoRA over a tiled MLP)
-        sizes.norm_backward_temp += shapes.sbh * r
+        normalised = shapes.sbh * (4 if a.fp32_norm else r)
+        sizes.norm_backward_temp += normalised
+        sizes.final_norm_backward_temp += normalised  # the final norm's alike (its weight frozen too)
+        if a.out_norms:  # and the post-norm's, whose normalised values are fp32 and not kept
+            sizes.out_norm_backward_temp += shapes.sbh * 4
+            sizes.out_norm_saved -= shapes.sbh * 4
+    if a.out_norms and sizes.forward_temp:  # the adapters' temporaries come before the norm on the MLP's output
+        sizes.forward_tail -= sizes.out_norm_saved  # has kept anything
     sizes.attn_forward_temp, sizes.attn_backward_temp = attention_temps(a, sb, c, r, ln, at)
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient

@@ -54,7 +54,7 @@ def _full(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention, tr: Training
         return full, parts
     change = adapters.change(a, sb, r, c, tr)
     parts = {k: max(v + change[k], 0.0) if k in change else v for k, v in parts.items()}
-    return full + sum(change.values()), parts
+    return full + sum(v for k, v in change.items() if k not in adapters.WITHIN), parts
 
 
 def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, at: Attention = Attention(),

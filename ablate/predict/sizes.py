@@ -47,6 +47,7 @@ class Sizes:
     expert_moments: list = field(default_factory=list)  # ... and then each expert weight's: (other, its new gradient)
     out_proj_input_grad: float = 0.0  # the gradient of a dense MLP's output projection's input (s·b·inter)
     forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
+    forward_tail: float = 0.0  # ... beside it, only in the first forward: made after the layer's last saved tensor
     recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_alone: bool = False  # ... and is the MLP's alone: a norm on its output runs its backward before it

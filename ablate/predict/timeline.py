@@ -77,7 +77,7 @@ class Step(LossPlay):
             # the scores beside the probabilities, whether the checkpoint keeps them or not
             tl.transient("activations", sizes.attn_saved + sizes.attn_forward_temp if sizes.attn_forward_temp else 0.0)
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
-            tl.transient("activations", sizes.forward_temp)  # with all the layer keeps alive
+            tl.transient("activations", sizes.forward_temp + sizes.forward_tail)  # with all the layer keeps alive
             if sizes.offload_ahead >= 0:
                 tl.alloc("activations", saved + sbh * r)
                 tl.free("activations", copying)
