@@ -180,9 +180,10 @@ _TRAINED = {"llama": _llama_trained, "gpt2": _gpt2_trained}
 WITHIN = ("qk_norm",)  # parts that are bytes of another part (attention's), counted once in the layer's sum
 
 
-def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float) -> float:
+def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float, norm_wrapped: bool = False) -> float:
     """Bytes layer 0 keeps in full training that it does not when its input needs no gradient (a
-    frozen embedding), beyond its input itself: its first norm's copy of the input and statistics,
+    frozen embedding), beyond its input itself: its first norm's copy of the input and statistics
+    (none where a recompute wrapper around the norm keeps the input instead: `norm_wrapped`),
     under autocast the casts of the weights that input meets before an adapter (a frozen Linear
     keeps its weight only for an input that needs a gradient), and where the attention is frozen,
     all it (`attn`: what the fully trained attention keeps) and the second norm keep."""
@@ -192,7 +193,7 @@ def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float) 
         norm, qkv = sbh * (4 - r) + sb * 4, w + 2 * a.hidden * a.kv_heads * a.head_dim
     else:  # gpt2: LayerNorm keeps its input (a copy when ln != r), mean and rstd
         norm, qkv = sbh * (ln - r) + 2 * sb * 4, 3 * w
-    dead = norm + (qkv * c if autocast else 0)
+    dead = (0 if norm_wrapped else norm) + (qkv * c if autocast else 0)
     if tr.attn == "frozen":  # nothing in the attention needs a gradient: the MLP's adapters are the first
         ln_2 = sbh * 4 + sb * 4 if a.kind == "llama" else sbh * ln + 2 * sb * 4
         dead += attn + ln_2 + ((w + 2 * a.hidden * a.inter) * c if autocast else 0)

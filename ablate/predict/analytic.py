@@ -113,9 +113,12 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient
         saved, full = sizes.blocks[0]
-        dead = unfed(a, sb, r, c, ln, tr, attention_saves(a, sb, r, c, ln, at))
-        # kept (not recomputed): not even the input itself, which nothing before an adapter keeps
-        sizes.blocks[0] = (max(saved - dead - shapes.sbh * r, 0.0) if saved else 0.0, full - dead)
+        attn = attention_saves(a, sb, r, c, ln, at)
+        dead = unfed(a, sb, r, c, ln, tr, attn)
+        # kept (not recomputed): not even the input itself, which nothing before an adapter keeps;
+        # a wrapped first norm's own keep was never counted in what is kept
+        kept = saved - unfed(a, sb, r, c, ln, tr, attn, t.checkpoint.wraps_norms) - shapes.sbh * r
+        sizes.blocks[0] = (max(kept, 0.0) if saved else 0.0, full - dead)
     # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).
     sizes.head_keeps_input = t.peft.train_embeddings or t.loss.from_hidden
     # the head's matmul keeps its cast of that input; a loss from the hidden states (the chunked

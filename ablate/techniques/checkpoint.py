@@ -35,6 +35,7 @@ class NoCheckpoint(Option):
     # The analytic predictor's questions (ablate/predict/layers.py, analytic.py):
     recompute_with_mlp = True  # a layer's recompute is alive during its MLP's backward (else after it)
     recomputes_final_norm = False  # the final norm is recomputed: it keeps nothing beyond its input
+    wraps_norms = False  # every norm is recomputed, its wrapper keeping its input (a layer's first: the layer's input)
     wraps_attention = False  # a wrapper takes attention's inputs (a layer, or attention itself), so it keeps them
     wraps_mlp = False  # the MLP alone is recomputed
     saves_op_outputs = False  # what a layer keeps is chosen op by op (selective op recompute)
@@ -221,8 +222,12 @@ class Layers(_Recompute):
         self.types = list(types)
 
     @property
-    def recomputes_final_norm(self) -> bool:
+    def wraps_norms(self) -> bool:
         return "layernorm" in self.types
+
+    @property
+    def recomputes_final_norm(self) -> bool:
+        return self.wraps_norms
 
     @property
     def wraps_attention(self) -> bool:
