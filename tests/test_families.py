@@ -27,6 +27,7 @@ PUBLISHED = {"llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "smollm2
              "pythia-160m": 162_322_944, "mistral-7b": 7_241_732_096,
              "llama3.1-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512,
              "qwen3-0.6b": 596_049_920,  # its card: 0.6B, and 0.44B less the 155,582,464 of the embedding
+             "gemma3-1b": 999_885_952,
              "mixtral-8x7b": 46_702_792_704,  # its card: 46.7B, 12.9B of them a token's
              "olmoe-1b-7b": 6_919_161_856,  # its card: 6.92B; its paper: 1.3B of them a token's
              "qwen3-30b-a3b": 30_532_122_624}  # its card: 30.5B, 3.3B activated
@@ -40,6 +41,7 @@ TINY = {
     "llama3.1-8b": _GQA,
     "qwen2.5-7b": _GQA,
     "qwen3-0.6b": [*_GQA, "model.config.head_dim=16"],
+    "gemma3-1b": [*_GQA, "model.config.head_dim=16"],
     "mixtral-8x7b": [*_GQA, "model.config.num_local_experts=4"],
     "olmoe-1b-7b": [*_GQA, "model.config.num_experts=8"],
     "qwen3-30b-a3b": [*_GQA, "model.config.head_dim=16", "model.config.num_experts=8",
