@@ -166,7 +166,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
             # Llama layout and Pythia 1.2-2.1% under without: fitted on CPU, tiny families at hidden 64 and 256)
             remade = not (a.experts or a.post_norm or a.kind == "gpt2")
             sizes.mlp_input_remade = shapes.sbh * r if remade else 0.0
-            sizes.out_proj_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_out_names) * c
+        # a recompute beside the MLP's backward casts the output projection's weight again, which
+        # goes with that projection's backward
+        sizes.out_proj_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_out_names) * c
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
         sizes.lm_head_cast = (shapes.vocab if t.loss.from_hidden else shapes.padded_vocab) * shapes.h * c
     sizes.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
