@@ -162,9 +162,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
             sizes.sublayer_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n not in shapes.mlp_names) * c
         elif t.checkpoint.wraps_mlp:
             sizes.sublayer_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_names) * c
-            # (OLMo 2's MLP reads the stream itself; ablate's GPT-2 measured 0.75% over with it, the
-            # Llama layout and Pythia 1.2-2.1% under without: fitted on CPU, tiny families at hidden 64 and 256)
-            remade = not (a.experts or a.post_norm or a.kind == "gpt2")
+            # (ablate's GPT-2 measured 0.75% over with it, the Llama layout, OLMo 2 and Pythia 1.2-2.1%
+            # under without: fitted on CPU, tiny families at hidden 64 and 256)
+            remade = not (a.experts or a.kind == "gpt2")
             sizes.mlp_input_remade = shapes.sbh * r if remade else 0.0
         # a recompute beside the MLP's backward casts the output projection's weight again, which
         # goes with that projection's backward
