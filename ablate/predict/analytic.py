@@ -107,8 +107,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         if a.out_norms:  # and the post-norm's, whose normalised values are fp32 and not kept
             sizes.out_norm_backward_temp += shapes.sbh * 4
             sizes.out_norm_saved -= shapes.sbh * 4
-    if a.out_norms and sizes.forward_temp:  # the adapters' temporaries come before the norm on the MLP's output
-        sizes.forward_tail -= sizes.out_norm_saved  # has kept anything
+    if a.out_norms and sizes.forward_temp:  # the norm on the MLP's output keeps nothing yet while the
+        sizes.forward_tail -= sizes.out_norm_saved  # adapters' temporaries are alive
     sizes.attn_forward_temp, sizes.attn_backward_temp = attention_temps(a, sb, c, r, ln, at)
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient

@@ -47,7 +47,9 @@ class Sizes:
     expert_moments: list = field(default_factory=list)  # ... and then each expert weight's: (other, its new gradient)
     out_proj_input_grad: float = 0.0  # the gradient of a dense MLP's output projection's input (s·b·inter)
     forward_temp: float = 0.0  # made and dropped inside a layer's forward however much it keeps (experts' outputs)
-    forward_tail: float = 0.0  # ... beside it, only in the first forward: made after the layer's last saved tensor
+    # ... beside it, only in the first forward: made after the layer's last saved tensor; less what a
+    # norm on the MLP's output keeps, which it keeps only once those temporaries are gone
+    forward_tail: float = 0.0
     recompute_grads: float = 0.0  # gradients made before a recomputed layer's first saved tensor is asked for
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_alone: bool = False  # ... and is the MLP's alone: a norm on its output runs its backward before it
@@ -69,7 +71,9 @@ class Sizes:
     # an MLP recomputed on its own under autocast casts its input again, while its wrapper keeps
     # that input (the norm's output) beside the casts: what full - saved nets off
     mlp_input_remade: float = 0.0
-    out_proj_cast: float = 0.0  # ... and its output projection's cast, which only that projection's backward needs
+    # the MLP's output projection's cast, made again by a recompute beside the MLP's backward: it goes
+    # as that projection's backward ends
+    out_proj_cast: float = 0.0
     sublayer_cast: float = 0.0  # of them, a sub-layer's recomputed on its own, whose wrapper saves none (cast again in backward)
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     head_wrapped: bool = False  # the head is recomputed: it keeps ln_f's output itself, casts it again in backward
