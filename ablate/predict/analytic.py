@@ -86,17 +86,17 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if a.kind == "llama" and r == 4 and c != 4:  # under autocast the head's 16-bit input gradient meets the fp32
         # stream there: 6·sbh bytes more (fitted on CPU: tiny Llama and Gemma 3, hidden 256, batch 4 and 8)
         sizes.final_norm_backward_temp += shapes.sbh * (4 + c)
-    if a.post_norm or a.fp32_norm and r != 4:  # an RMSNorm fp32 throughout: four (B, T, h) fp32 tensors at
-        # its backward's widest; on an fp32 stream Gemma's is Llama's (fitted on CPU: tiny OLMo 2 and Gemma)
-        sizes.norm_backward_temp = 4 * shapes.sbh * 4
+    fp32_throughout = 4 * shapes.sbh * 4  # an RMSNorm fp32 throughout: four (B, T, h) fp32 tensors at its widest
+    if a.post_norm or a.fp32_norm and r != 4:  # on an fp32 stream Gemma's is Llama's (fitted on CPU: tiny OLMo 2 and Gemma)
+        sizes.norm_backward_temp = fp32_throughout
         # the final one: the head's 16-bit gradient cast up beside, its fp32 normalised values gone first
         sizes.final_norm_backward_temp = sizes.norm_backward_temp + shapes.sbh * (r - 4)
     if a.sandwich and c != 4:  # its post-norms read a 16-bit projection output: fp32 throughout, as OLMo 2's,
         # and the one on attention's output runs after the pre-MLP norm's backward (fitted on CPU: tiny Gemma 3)
-        sizes.norm_backward_temp = max(sizes.norm_backward_temp, 4 * shapes.sbh * 4)
+        sizes.norm_backward_temp = max(sizes.norm_backward_temp, fp32_throughout)
     if a.out_norms:  # its norm on the MLP's output runs first in the layer's backward, beside everything the layer
         # keeps: fp32 throughout, whatever the stream's dtype (fitted on CPU: tiny OLMo 2 and Gemma 3)
-        sizes.out_norm_backward_temp = max(sizes.norm_backward_temp, 4 * shapes.sbh * 4)
+        sizes.out_norm_backward_temp = max(sizes.norm_backward_temp, fp32_throughout)
         sizes.out_norm_saved = 2 * shapes.sbh * 4 + sb * 4  # its fp32 input and normalised values, the rsqrt
     if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
         # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
