@@ -83,6 +83,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
     sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
+    if tiled and a.kind == "llama" and r != 4:  # a tiled MLP's joined 16-bit input gradient, and beside it the
+        # norm's fp32 copy of it (fitted on CPU: tiny Llama at hidden 256 in pure bf16, 4 slices)
+        sizes.norm_backward_temp += shapes.sbh * (4 - r)
     if a.kind == "llama" and r == 4 and c != 4:  # under autocast the head's 16-bit input gradient meets the fp32
         # stream there: 6·sbh bytes more (fitted on CPU: tiny Llama and Gemma 3, hidden 256, batch 4 and 8)
         sizes.final_norm_backward_temp += shapes.sbh * (4 + c)
@@ -166,6 +169,10 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
             # under without: fitted on CPU, tiny families at hidden 64 and 256)
             remade = not (a.experts or a.kind == "gpt2")
             sizes.mlp_input_remade = shapes.sbh * r if remade else 0.0
+        if sizes.tiled_mlp:  # each slice's recompute casts the MLP's weights again (tile_mlp's inner_temp):
+            # no backward keeps the forward's casts of them, nor a recompute's around the slices
+            sizes.tiled_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_names) * c
+            sizes.sublayer_cast = sizes.tiled_cast + (0.0 if t.checkpoint.wraps_mlp else sizes.sublayer_cast)
         # a recompute beside the MLP's backward casts the output projection's weight again, which
         # goes with that projection's backward
         sizes.out_proj_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_out_names) * c

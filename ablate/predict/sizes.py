@@ -54,7 +54,9 @@ class Sizes:
     recompute_with_mlp: bool = True  # a layer's recompute is alive during its MLP's backward (else after it)
     mlp_alone: bool = False  # ... and is the MLP's alone: a norm on its output runs its backward before it
     mlp_saved: float = 0.0  # what a layer's MLP keeps for backward, freed once its backward is done
-    tiled_mlp: bool = False  # the MLP runs slice by slice: its weights' gradients exist from the first slice's backward
+    tiled_mlp: bool = False  # the MLP runs slice by slice (ablate/predict/tiling.py)
+    inner_temp_later: float = 0.0  # ... inner_temp being its first slice's in backward, its later slices' at most
+    inner_temp_remade: float = 0.0  # ... in a layer recomputed around it (its input made again, gone sooner)
     mlp_untiled: float = 0.0  # ... what one layer's MLP would keep untiled, made slice by slice instead (step time)
     # An attention that makes (T, T) tensors (math backend, eager): what it keeps, and what it
     # makes and drops beside that in forward and in backward (ablate/predict/layers.py attention_temps)
@@ -75,6 +77,10 @@ class Sizes:
     # as that projection's backward ends
     out_proj_cast: float = 0.0
     sublayer_cast: float = 0.0  # of them, a sub-layer's recomputed on its own, whose wrapper saves none (cast again in backward)
+    # ... and a tiled MLP's (among them), which only its slices' recomputes cast again: the backward's
+    # own casts of them are one slice's inner temporaries, and its weights' gradients add up slice by
+    # slice in that dtype, from the first slice's backward to the last
+    tiled_cast: float = 0.0
     lm_head_cast: float = 0.0  # ... of lm_head's (the tied wte)
     head_wrapped: bool = False  # the head is recomputed: it keeps ln_f's output itself, casts it again in backward
     loss_chunks: int = 1  # the loss's slices of the tokens (loss=chunked): logits alive one slice at a time

@@ -18,16 +18,33 @@ if TYPE_CHECKING:
 
 def tile_mlp(sizes: Sizes, shapes: Shapes, tr: Training, n: int) -> None:
     """Each layer's MLP over `n` > 1 slices, sizes as the untiled layer's already (`c`, `r` in
-    sizes). In backward one slice's MLP is recomputed and differentiated beside the slices' input
-    gradients made so far (one (B, T, h) at most); at the end those gradients are joined, as in
-    forward the slices' outputs are: two (B, T, h)."""
+    sizes). In backward the slices run last first, each recomputed and differentiated on its own:
+    one slice's widest tensors (and, under autocast, its casts of the weights and of its input) beside
+    - the gradient of the MLP's output, which the residual add casts to the compute dtype under
+      autocast and the slices read views of: whole until the last slice is done;
+    - the input gradients of the slices done, kept until the last one joins them;
+    - after the first slice, the sums of the weights' gradients (Step.backward);
+    The forward's slices' outputs, joined at the end, are at most the output's size beside one slice."""
     a, c, r, sbh = shapes.arch, sizes.compute_bytes, sizes.stream_bytes, shapes.sbh
     if tr != FULL and (r != c or tr.dora):
         raise Unmodelled("no analytic memory model for adapters over a tiled MLP under autocast or DoRA (each slice "
                          "casts the adapters' inputs again; DoRA takes its weight norm again for every slice)")
-    sizes.inner_temp = max(sbh * c + (sizes.inner_temp + sizes.mlp_saved) / n, 2 * sbh * c)
+    one = (sizes.inner_temp + sizes.mlp_saved) / n  # a slice's widest tensors
+    tail = -(-shapes.sb // n) * a.inter * c  # ... of them, those its output projection's backward makes
     sizes.forward_temp = forward_temp(a, -(-shapes.sb // n), r, c, tr)  # an adapted MLP's, over one slice
-    if r != c:  # autocast in each slice's recompute: its casts of the slice for gate and up, and of the weights
-        weights = sum(shapes.param_numels[name] for name in shapes.linear_names if name in shapes.mlp_names)
-        sizes.inner_temp += 2 * sbh * c / n + weights * c
+    if r != c:  # autocast in each slice's recompute: its casts of the weights, and of the slice for each
+        # projection that reads it (gate and up; Phi-3's one gate_up, GPT-2's c_fc)
+        mlp = [name for name in shapes.linear_names if name in shapes.mlp_names]
+        reads = sum(name.endswith("weight") and name not in shapes.mlp_out_names for name in mlp)
+        one += reads * sbh * c / n + sum(shapes.param_numels[name] for name in mlp) * c
+        tail += sum(shapes.param_numels[name] for name in shapes.linear_names if name in shapes.mlp_out_names) * c
+    d_out = sbh * c if r != c else 0.0
+    sizes.inner_temp = max(sbh * c + one, 2 * sbh * c)  # the forward's outputs so far (then joined), or the backward's first slice
+    later = (n - 1) / n * sbh * r + one  # the last slice's, the MLP's input kept through it
+    sizes.inner_temp_later = max(d_out + later, 2 * sbh * r)
+    # Under autocast the slices keep their casts of the input, not the input: one that a recompute
+    # around the layer made goes as the last slice's recompute ends, before its output projection's backward
+    before_last = (n - 2) / n * sbh * r + one if n > 2 else 0.0  # the last but one, unless that is the first
+    remade = max(before_last, later - min(sbh * r, tail)) if r != c else later
+    sizes.inner_temp_remade = max(d_out + remade, 2 * sbh * r)
     sizes.mlp_untiled, sizes.mlp_saved, sizes.tiled_mlp = sizes.mlp_saved, 0.0, True

@@ -129,17 +129,23 @@ class Step(LossPlay):
             tl.alloc("activations", ahead)
             back = full - saved + (saved if self.sizes.offload_acts else 0)  # recomputed, or copied back from the host
             # cast again (attention's alone, where only it is recomputed), or copied back
-            back += self.sizes.sublayer_cast if self.keeps_cast(saved) else self.sizes.block_cast
+            back += (self.sizes.sublayer_cast if self.keeps_cast(saved) else self.sizes.block_cast) - sizes.tiled_cast
             back += sizes.mlp_input_remade if full > saved else 0.0
             early, later = 0.0, 0.0  # kept bytes freed before the recompute; recomputed after the second norm's backward
             mlp = [n for n in self.block_names[i] if n in shapes.mlp_names]
-            # the output projection's gradients come first: its backward runs before the activation's
-            first = mlp if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
+            # the output projection's gradients come first: its backward runs before the activation's.
+            # A tiled MLP's are summed slice by slice (in the compute dtype where autocast casts the
+            # weights) and become gradients after the last (cast up, or the sums themselves)
+            first = [] if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
+            summed = {n: shapes.param_numels[n] * c if sizes.tiled_cast else sizes.grads[n] for n in mlp} \
+                if sizes.tiled_mlp else {}
             adding = self.adds_into_kept()
             inner = sizes.inner_temp_adding if adding and sizes.inner_temp_adding is not None else sizes.inner_temp
-            # the projection's backward asks for its input: a layer recomputed beside its MLP is recomputed first
-            recomputed_first = sizes.recompute_with_mlp and full > saved and not sizes.tiled_mlp
-            if not recomputed_first or sizes.mlp_alone:  # a post-norm outside the MLP's wrapper goes first
+            # the projection's backward asks for its input: a layer recomputed beside its MLP is recomputed
+            # first (a tiled MLP's slices make their own input again, but a post-norm on their output asks too)
+            remade_first = sizes.recompute_with_mlp and full > saved
+            recomputed_first = remade_first and not sizes.tiled_mlp
+            if not remade_first or sizes.mlp_alone:  # a post-norm outside the MLP's wrapper goes first
                 self.out_norm_backward()
             if not recomputed_first:
                 self.out_proj_grads(first)
@@ -149,21 +155,25 @@ class Step(LossPlay):
                 if full > saved:  # what the recomputed forward makes and drops
                     tl.transient("activations", sizes.forward_temp)
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
+                if remade_first and not sizes.mlp_alone:
+                    self.out_norm_backward()
                 if recomputed_first:
-                    if not sizes.mlp_alone:
-                        self.out_norm_backward()
                     self.out_proj_grads(first)
                     # the output projection's weight, cast again by the MLP's recompute, goes with its backward
                     tl.free("activations", sizes.out_proj_cast)
                     back -= sizes.out_proj_cast
-                tl.transient("other", inner)  # d c_fc out and d GELU out alive together
+                remade = full > saved and not sizes.mlp_alone
+                self.mlp_backward(inner, summed, remade)
+                if remade and sizes.tiled_mlp:  # its input, made again around the slices, went with the last
+                    tl.free("activations", sbh * r)
+                    back -= sbh * r
                 self.expert_grads(adding)
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
-                tl.transient("other", inner)  # whose saved tensors are gone by then
+                self.mlp_backward(inner, summed, False)  # whose saved tensors are gone by then
                 self.expert_grads(adding)
                 early = keep(sizes.mlp_saved)
                 tl.free("activations", early)
-                later = min(back, sizes.attn_later + sizes.sublayer_cast)  # attention's own, made in its turn
+                later = min(back, sizes.attn_later + sizes.sublayer_cast - sizes.tiled_cast)  # attention's own, made in its turn
                 tl.alloc("activations", back - later)
             # after the MLP's backward (its saved tensors gone, its weights' gradients made): the second
             # norm's fp32 gradients, then attention's (T, T) ones, recomputed on its own only now
@@ -182,7 +192,9 @@ class Step(LossPlay):
             tl.free("activations", gone if gone_first else 0.0)
             tl.alloc("other", inner if swiglu else 0.0)
             for n in rest:
+                tl.free("other", 0.0 if sizes.tiled_cast else summed.get(n, 0.0))
                 self.grad(sizes.grads[n], n)
+                tl.free("other", summed.get(n, 0.0) if sizes.tiled_cast else 0.0)
             tl.free("other", inner if swiglu else 0.0)
             tl.free("activations", 0.0 if gone_first else gone)
             tl.transient("other", sizes.norm_backward_temp)
@@ -208,6 +220,15 @@ class Step(LossPlay):
         tl.free("other", sbh * r)
         self.reduce(sizes.root, self.root_names, sync)
         self.release(sizes.root)
+
+    def mlp_backward(self, inner: float, summed: dict, remade: bool) -> None:
+        """The MLP's widest tensors in its backward (d c_fc out and d GELU out alive together); a
+        tiled MLP's in its first slice, then beside the sums of its weights' gradients (`summed`), its
+        input `remade` by a recompute around the layer or kept from forward."""
+        self.tl.transient("other", inner)
+        if summed:
+            self.tl.alloc("other", sum(summed.values()))
+            self.tl.transient("other", self.sizes.inner_temp_remade if remade else self.sizes.inner_temp_later)
 
     def out_norm_backward(self) -> None:
         """A post-norm on the MLP's output (OLMo 2) runs first in its layer's backward: its fp32
