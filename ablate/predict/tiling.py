@@ -21,7 +21,8 @@ def tile_mlp(sizes: Sizes, shapes: Shapes, tr: Training, n: int) -> None:
     sizes). In backward the slices run last first, each recomputed and differentiated on its own:
     one slice's widest tensors (and, under autocast, its casts of the weights and of its input) beside
     - the gradient of the MLP's output, which the residual add casts to the compute dtype under
-      autocast and the slices read views of: whole until the last slice is done;
+      autocast (or a post-norm on the output makes) and the slices read views of: whole until the
+      last slice is done;
     - the input gradients of the slices done, kept until the last one joins them;
     - after the first slice, the sums of the weights' gradients (Step.backward);
     The forward's slices' outputs, joined at the end, are at most the output's size beside one slice."""
@@ -38,7 +39,7 @@ def tile_mlp(sizes: Sizes, shapes: Shapes, tr: Training, n: int) -> None:
         reads = sum(name.endswith("weight") and name not in shapes.mlp_out_names for name in mlp)
         one += reads * sbh * c / n + sum(shapes.param_numels[name] for name in mlp) * c
         tail += sum(shapes.param_numels[name] for name in shapes.linear_names if name in shapes.mlp_out_names) * c
-    d_out = sbh * c if r != c else 0.0
+    d_out = sbh * c if r != c or a.out_norms else 0.0  # made by the residual add's cast, or by a post-norm's backward
     sizes.inner_temp = max(sbh * c + one, 2 * sbh * c)  # the forward's outputs so far (then joined), or the backward's first slice
     later = (n - 1) / n * sbh * r + one  # the last slice's, the MLP's input kept through it
     sizes.inner_temp_later = max(d_out + later, 2 * sbh * r)
