@@ -164,14 +164,15 @@ class Step(LossPlay):
                     back -= sizes.out_proj_cast
                 remade = full > saved and not sizes.mlp_alone
                 self.mlp_backward(inner, summed, remade)
-                if remade and sizes.tiled_mlp:  # its input, made again around the slices, went with the last
-                    tl.free("activations", sbh * r)
-                    back -= sbh * r
+                if sizes.tiled_mlp:  # its input, made again around the slices or kept for them, went with the last
+                    tl.free("activations", sbh * r if remade else keep(sbh * r))
+                    back -= sbh * r if remade else 0.0
+                    early = 0.0 if remade else keep(sbh * r)
                 self.expert_grads(adding)
             else:  # only attention or norms: recomputed when backward reaches them, after the MLP's,
                 self.mlp_backward(inner, summed, False)  # whose saved tensors are gone by then
                 self.expert_grads(adding)
-                early = keep(sizes.mlp_saved)
+                early = keep(sizes.mlp_saved + (sbh * r if sizes.tiled_mlp else 0.0))  # a tiled MLP's: its input
                 tl.free("activations", early)
                 later = min(back, sizes.attn_later + sizes.sublayer_cast - sizes.tiled_cast)  # attention's own, made in its turn
                 tl.alloc("activations", back - later)
@@ -187,7 +188,7 @@ class Step(LossPlay):
             # 256 when counted to the layer's end, where attention's gradients are made)
             rest = [n for n in mlp if n not in first]
             swiglu = adding and rest and shapes.arch.kind == "llama" and not shapes.arch.experts and not sizes.tiled_mlp
-            gone = keep(sizes.mlp_saved) - early
+            gone = max(keep(sizes.mlp_saved) - early, 0.0)  # (a tiled MLP keeps none: early is its input)
             gone_first = swiglu or bool(rest and shapes.arch.experts and not sizes.tiled_mlp)
             tl.free("activations", gone if gone_first else 0.0)
             tl.alloc("other", inner if swiglu else 0.0)
