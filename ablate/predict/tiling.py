@@ -27,9 +27,11 @@ def tile_mlp(sizes: Sizes, shapes: Shapes, tr: Training, n: int) -> None:
     - after the first slice, the sums of the weights' gradients (Step.backward);
     The forward's slices' outputs, joined at the end, are at most the output's size beside one slice."""
     a, c, r, sbh = shapes.arch, sizes.compute_bytes, sizes.stream_bytes, shapes.sbh
-    if tr != FULL and (r != c or tr.dora):
-        raise Unmodelled("no analytic memory model for adapters over a tiled MLP under autocast or DoRA (each slice "
-                         "casts the adapters' inputs again; DoRA takes its weight norm again for every slice)")
+    # GPT-2's LoRA under autocast measured 3% over and 1.5% under this model (none and block recompute,
+    # 4 slices, tiny GPT-2 on CPU); DoRA takes its weight norm again for every slice
+    if tr != FULL and (tr.dora or r != c and a.kind != "llama"):
+        raise Unmodelled("no analytic memory model for DoRA over a tiled MLP, nor for adapters over one under "
+                         f"autocast on a {a.kind} layer (only the Llama layout's is modelled)")
     one = (sizes.inner_temp + sizes.mlp_saved) / n  # a slice's widest tensors
     tail = -(-shapes.sb // n) * a.inter * c  # ... of them, those its output projection's backward makes
     sizes.forward_temp = forward_temp(a, -(-shapes.sb // n), r, c, tr)  # an adapted MLP's, over one slice

@@ -137,8 +137,8 @@ class Step(LossPlay):
             # A tiled MLP's are summed slice by slice (in the compute dtype where autocast casts the
             # weights) and become gradients after the last (cast up, or the sums themselves)
             first = [] if sizes.tiled_mlp else [n for n in mlp if n in shapes.mlp_out_names]
-            summed = {n: shapes.param_numels[n] * c if sizes.tiled_cast else sizes.grads[n] for n in mlp} \
-                if sizes.tiled_mlp else {}
+            summed = {n: shapes.param_numels[n] * c if sizes.tiled_cast else sizes.grads[n]
+                      for n in mlp if n not in shapes.frozen} if sizes.tiled_mlp else {}
             adding = self.adds_into_kept()
             inner = sizes.inner_temp_adding if adding and sizes.inner_temp_adding is not None else sizes.inner_temp
             # the projection's backward asks for its input: a layer recomputed beside its MLP is recomputed
