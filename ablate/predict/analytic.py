@@ -54,7 +54,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
     tr = _training(t)
     adapted = "adapter" in (tr.attn, tr.mlp)
-    # Measured on CPU (tiny Llama, hidden 256, 1 x 1024 tokens), neither has a model here yet:
+    # Neither is modelled here (measured on CPU, tiny Llama LoRA at hidden 256, 1 x 1024 tokens):
     # selective op recompute keeps the adapters' matmul outputs too (24% short in fp32 and pure bf16,
     # 15% under autocast); a wrapper around each adapter's first Linear keeps peft's fp32 copy of a
     # 16-bit input where autocast's 16-bit cast was counted (3.8% short)

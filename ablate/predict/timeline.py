@@ -192,10 +192,11 @@ class Step(LossPlay):
             gone_first = swiglu or bool(rest and shapes.arch.experts and not sizes.tiled_mlp)
             tl.free("activations", gone if gone_first else 0.0)
             tl.alloc("other", inner if swiglu else 0.0)
+            cast_up = bool(sizes.tiled_cast)  # a 16-bit sum is cast to the fp32 gradient beside it; else it is the gradient
             for n in rest:
-                tl.free("other", 0.0 if sizes.tiled_cast else summed.get(n, 0.0))
+                tl.free("other", 0.0 if cast_up else summed.get(n, 0.0))
                 self.grad(sizes.grads[n], n)
-                tl.free("other", summed.get(n, 0.0) if sizes.tiled_cast else 0.0)
+                tl.free("other", summed.get(n, 0.0) if cast_up else 0.0)
             tl.free("other", inner if swiglu else 0.0)
             tl.free("activations", 0.0 if gone_first else gone)
             tl.transient("other", sizes.norm_backward_temp)
