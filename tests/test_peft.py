@@ -264,16 +264,34 @@ def test_ddp_and_fsdp_train_the_adapters_as_one_process_with_the_global_batch(tm
     (["checkpoint=ops", "precision=fp32"], "selective op recompute"),
     (["checkpoint=layers", "precision=bf16"], "layer-type recompute of the Linears"),
     (["checkpoint=layers", "precision=fp32", "peft.targets=mlp"], "beside a frozen part"),
-    (["checkpoint=block", "precision=bf16_pure", "peft.targets=attention"], "a frozen MLP beside adapters"),
 ])
 def test_adapters_under_recompute_that_keeps_more_of_them_go_to_the_trace(overrides, reason):
     """Selective op recompute keeps the adapters' matmul outputs too; a wrapper around each
     adapter's first Linear keeps peft's fp32 copy of a 16-bit input where autocast's 16-bit cast
-    was counted, and one around a frozen Linear its input; a frozen MLP beside adapted attention
-    keeps a (tokens, intermediate) tensor more. The analytic model has none of these (24%, 3.8%, 15%
-    and 8% short at hidden 256), so it says so and the trace, which follows the real step, predicts them."""
+    was counted, and one around a frozen Linear its input. The analytic model has none of these (24%,
+    3.8% and 15% short at hidden 256), so it says so and the trace, which follows the real step,
+    predicts them."""
     base, overrides = [*TINY["llama"], *BASE], ["peft=lora", *overrides]
     spec = compose_spec([*base, *overrides])
     with pytest.raises(Unmodelled, match=reason):
         analytic(spec)
     assert predict(spec, "trace").peak_mib == pytest.approx(measured(overrides, base=base).peak_mib, rel=0.02)
+
+
+@pytest.mark.parametrize("name,precision,checkpoint", [
+    ("llama3.2-1b", "bf16", "block"),
+    *(pytest.param(*point, marks=pytest.mark.slow) for point in [
+        ("llama3.2-1b", "fp32", "none"), ("llama3.2-1b", "bf16_pure", "block"), ("llama3.2-1b", "bf16", "mlp"),
+        ("qwen3", "bf16", "block"), ("gemma3_text", "bf16", "block")])])
+def test_adapters_on_attention_beside_a_frozen_mlp_are_predicted_within_half_a_percent(name, precision, checkpoint):
+    """A frozen output projection keeps no input for a weight gradient; a trained one's kept input
+    stood in for the gradient of that input, which its backward makes and the MLP's backward then
+    holds beside its two widest gradients. Counted without it, Llama under block recompute was 5.3%
+    short in bf16, 7.8% in pure bf16 and 8.5% in fp32, and 6.4% in fp32 without recompute."""
+    from tests.test_families import _PHI3, tiny
+
+    full = [*tiny(name, *_PHI3), "data.vocab_size=128", "optimizer=adamw_foreach", "peft=lora",
+            "peft.targets=attention", f"precision={precision}", f"checkpoint={checkpoint}"]
+    base = ["device=cpu", "batch_size=4", "seq_len=128"]
+    real = measured(full, base)
+    assert analytic(compose_spec([*base, *full])).peak_mib == pytest.approx(real.peak_mib, rel=0.005)

@@ -54,20 +54,16 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
     tr = _training(t)
     adapted, frozen = "adapter" in (tr.attn, tr.mlp), "frozen" in (tr.attn, tr.mlp)
-    # None of these is modelled here (measured on CPU, tiny Llama LoRA at hidden 256, 512 and 1,024
-    # tokens): selective op recompute keeps the adapters' matmul outputs too (24% short in fp32 and pure
-    # bf16, 15% under autocast); a wrapper around each adapter's first Linear keeps peft's fp32 copy of
-    # a 16-bit input where autocast's 16-bit cast was counted (3.8% short), and a wrapped frozen Linear
-    # its input, which the frozen part is counted without (15% short with adapters on attention only);
-    # a frozen MLP beside adapted attention keeps one (tokens, intermediate) tensor more than counted
-    # (5-8% short under block recompute, 6% in fp32 without it)
+    # Neither is modelled here (measured on CPU, tiny Llama LoRA at hidden 256, 512 and 1,024 tokens):
+    # selective op recompute keeps the adapters' matmul outputs too (24% short in fp32 and pure bf16,
+    # 15% under autocast); a wrapper around each adapter's first Linear keeps peft's fp32 copy of a
+    # 16-bit input where autocast's 16-bit cast was counted (3.8% short), and a wrapped frozen Linear
+    # its input, which the frozen part is counted without (15% short with adapters on attention only)
     if adapted and t.checkpoint.saves_op_outputs:
         raise Unmodelled("no analytic memory model for adapters under selective op recompute (checkpoint=ops)")
     if adapted and t.checkpoint.recomputes_casts and (r != c or frozen):
         raise Unmodelled("no analytic memory model for adapters under layer-type recompute of the Linears "
                          "(checkpoint=layers) in autocast or beside a frozen part (peft.targets other than all)")
-    if adapted and tr.mlp == "frozen":
-        raise Unmodelled("no analytic memory model for a frozen MLP beside adapters (peft.targets=attention)")
     sizes.inner_temp = inner_temp(a, sb, c, r, grad_bytes(t), tr)
     if a.experts:
         sizes.inner_temp_adding = inner_temp(a, sb, c, r, grad_bytes(t), tr, adding=True)

@@ -231,7 +231,10 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, ad
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
     # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once)
-    return (1 if a.kind == "neox" or (a.kind == "gpt2" and tr.mlp != "adapter") else 2) * sb * a.inter * c
+    widest = (1 if a.kind == "neox" or (a.kind == "gpt2" and tr.mlp != "adapter") else 2) * sb * a.inter * c
+    # A frozen output projection kept no input, whose bytes stood in for its input's gradient, made by
+    # its backward and alive through these (fitted on CPU: tiny Llama, adapters on attention only)
+    return widest + (sb * a.inter * c if tr.mlp == "frozen" else 0.0)
 
 
 def _neox(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tuple[float, dict]:
