@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ablate.predict.grad_play import GradPlay
 from ablate.predict.head_and_loss import LossPlay
 from ablate.predict.ledger import Timeline
-from ablate.predict.sizes import Sizes, Unit
+from ablate.predict.sizes import Sizes
 from ablate.techniques import Unmodelled  # noqa: F401  (the predictor's callers import it from here)
 
 if TYPE_CHECKING:
     from ablate.predict.shapes import Shapes
 
-class Step(LossPlay):
+class Step(LossPlay, GradPlay):
     """One optimizer step (every micro-step's forward and backward, then the optimizer step)
     played on a Timeline, optimizer states already allocated. Bytes on one rank.
 
@@ -238,27 +239,6 @@ class Step(LossPlay):
         self.tl.transient("other", self.sizes.out_norm_backward_temp)
         self.tl.free("activations", self.sizes.out_norm_saved)
 
-    def grad(self, nbytes: float, name: str) -> None:
-        """Parameter `name`'s gradient arrives: new, or added into the one from an earlier micro-step
-        (briefly both), or stepped (with that one tensor's step temporaries) and freed at once
-        (optimizer.in_backward), or copied into its DDP bucket, which .grad then views
-        (gradient_as_bucket_view)."""
-        whole_kept = self.have_grads and not self.sizes.sync_each  # FSDP syncing each micro-step shards them
-        if self.sizes.in_backward:
-            self.tl.alloc("grads", nbytes)
-            if self.sizes.grad_lag:  # this one's arrival steps the one before
-                self.step_pending()
-                self.pending = (name, nbytes)
-            else:
-                self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
-                self.tl.free("grads", nbytes)
-        elif self.sizes.grads_in_buckets or (whole_kept and not self.sizes.upcast):
-            # an expert weight's new gradient: counted at its moment in the experts' backward (expert_grads)
-            counted = self.adds_into_kept() and name in self.shapes.expert_names
-            self.tl.transient("grads", 0.0 if counted else nbytes)
-        else:
-            self.tl.alloc("grads", nbytes)
-
     def out_proj_grads(self, names: list[str]) -> None:
         """The MLP's output projection's weight gradients, each made beside the gradient of the
         projection's input (its backward makes both before either goes on): what a new gradient
@@ -277,61 +257,3 @@ class Step(LossPlay):
         if self.sizes.in_backward and d_in:
             self.tl.alloc("activations", d_in)
         self.tl.free("other", d_in)
-
-    def adds_into_kept(self) -> bool:
-        """Whether this micro-step's gradients are added, one at a time, into whole ones kept from the last."""
-        s = self.sizes
-        return self.have_grads and not (s.sync_each or s.in_backward or s.upcast or s.grads_in_buckets)
-
-    def expert_grads(self, adding: bool) -> None:
-        """Each expert weight's new gradient, in a micro-step that adds it into the kept one, at its
-        moment in the experts' backward (what else is alive then beside it: `other`, net of what
-        that backward has freed)."""
-        for other, grad in self.sizes.expert_moments if adding else ():
-            self.tl.alloc("other", other)
-            self.tl.transient("grads", grad)
-            self.tl.free("other", other)
-
-    def step_pending(self) -> None:
-        """Step and free the gradient waiting for the next one (grad_lag), with its step temporaries."""
-        if self.pending:
-            name, nbytes = self.pending
-            self.tl.transient("optimizer", self.sizes.step_temp_each.get(name, 0.0))
-            self.tl.free("grads", nbytes)
-            self.pending = None
-
-    def gather(self, unit: Unit | None, kind: str) -> None:
-        """FSDP all-gathers a unit's parameters into one flat buffer (labelled `kind`: MemTracker
-        calls it an activation in forward, other in backward), copies them out into the whole
-        parameters, then frees the buffer."""
-        if unit:
-            self.tl.alloc(kind, unit.gathered)
-            self.tl.alloc("params", unit.gathered)
-            self.tl.free(kind, unit.gathered)
-
-    def release(self, unit: Unit | None) -> None:
-        if unit:
-            self.tl.free("params", unit.gathered)
-
-    def reduce(self, unit: Unit | None, names: list[str], sync: bool) -> None:
-        """FSDP after a unit's backward: on a synced micro-step (each one, or only the last) its
-        whole gradients are copied into one flat buffer for the reduce-scatter and freed, and this
-        rank's shard of the sum becomes its gradient, or is added into it; on the others they wait
-        (in fp32 beside .grad under mixed precision)."""
-        if not unit or self.sizes.in_backward:
-            return
-        whole = ("grads", sum(self.sizes.grads[n] for n in names))
-        if self.sizes.upcast:
-            summed = ("other", whole[1] / self.c * 4)
-            if not self.have_grads:  # the first micro-step converts .grad; later ones add into it
-                self.tl.alloc(*summed)
-            self.tl.free(*whole)
-            whole = summed
-        if sync:
-            self.tl.alloc("other", unit.reduce_input)
-            self.tl.free(*whole)
-            if self.have_grads and self.sizes.sync_each:  # an earlier micro-step's shards: these add into them
-                self.tl.transient("other", unit.sharded_grads)
-            else:
-                self.tl.alloc("grads", unit.sharded_grads)
-            self.tl.free("other", unit.reduce_input)
