@@ -5,8 +5,8 @@ make and drop on the way. Notation as there: `sb` tokens, `r`, `c` and `ln` byte
 A frozen Linear keeps its weight for its input's gradient, never its input; an adapted one's branch
 keeps that input for A's gradient (the very tensor, unless each branch makes a copy of its own: its
 dropout's, or under autocast, where peft casts the input to the adapter's fp32 and autocast casts it
-back, so each branch keeps its own 16-bit copy), the dropout's mask (1 byte), and the (tokens,
-rank) product for B's. A frozen norm weight's multiply keeps nothing. Measured against MemTracker
+back, so each branch keeps its own 16-bit copy), the dropout's mask (`Training.dropout` bytes an
+element), and the (tokens, rank) product for B's. A frozen norm weight's multiply keeps nothing. Measured against MemTracker
 on CPU: benchmarks/results/cpu/peft_predict.md.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Training:
     mlp: str = "full"
     norms: bool = True
     rank: int = 0
-    dropout: bool = False
+    dropout: int = 0  # bytes per element of what dropout on the adapters' input keeps beside its output (0: none)
     dora: bool = False  # DoRA's magnitude beside each adapter
 
 
@@ -57,10 +57,11 @@ def change(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     return _TRAINED[a.kind](a, sb, r, c, tr)
 
 
-def forward_temp(a: Arch, sb: int, r: int, c: int, tr: Training) -> float:
-    """Made and dropped inside an adapted layer's forward (bytes): the adapters' own (`adapter_temp`)
-    and DoRA's (`dora_temp`)."""
-    return max(adapter_temp(a, sb, r, c) if tr.mlp == "adapter" else 0.0, dora_temp(a, sb, c, tr) if tr.dora else 0.0)
+def forward_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: bool = False) -> float:
+    """Made and dropped inside an adapted layer's forward (bytes): the adapters' own (`adapter_temp`;
+    `input_kept`: a recompute wrapper around the MLP keeps its input) and DoRA's (`dora_temp`)."""
+    own = adapter_temp(a, sb, r, c, tr.dropout, input_kept) if tr.mlp == "adapter" else 0.0
+    return max(own, dora_temp(a, sb, c, tr) if tr.dora else 0.0)
 
 
 def dora_inner_temp(a: Arch, sb: int, c: int) -> float:
@@ -86,25 +87,34 @@ def dora_temp(a: Arch, sb: int, c: int, tr: Training) -> float:
     return max(norm, (a.inter - 2 * h) * sb * c) if tr.mlp == "adapter" else norm
 
 
-def adapter_temp(a: Arch, sb: int, r: int, c: int) -> float:
+def adapter_temp(a: Arch, sb: int, r: int, c: int, dropout: int = 0, input_kept: bool = False) -> float:
     """Made and dropped while the MLP's last Linear runs its adapter: the base Linear's output,
-    alive until the branch's is added to it; under autocast also peft's fp32 copy of the Linear's
-    input for the fp32 adapter, the input itself beside that copy and the adapter's cast of it,
-    and the MLP's own input, the second norm's fp32 output, held by the layer while its MLP runs."""
+    alive until the branch's is added to it. Where the branches copy their inputs (autocast's casts,
+    dropout's outputs) nothing keeps the Linear's input, nor the MLP's own input (the second norm's
+    output, in the stream's dtype) unless a recompute wrapper around the MLP does (`input_kept`):
+    the layer holds both while its MLP runs, and a 16-bit residual stream besides, which RMSNorm
+    keeps only as its fp32 copy. Under autocast also peft's fp32 copy of the Linear's input for the
+    fp32 adapter and, with dropout, the dropout's fp32 output until A has cast it (measured op by op
+    on CPU: tiny Llama at hidden 256, with and without dropout, each precision)."""
     sbh, widest = sb * a.hidden, sb * (4 * a.hidden if a.kind == "gpt2" else a.inter)
-    if r == c:
-        return sbh * c
-    return widest * (4 + c) + sbh * (c + 4)
+    temp = sbh * c + (sbh * r if a.kind == "llama" and r != 4 else 0.0)
+    if r != c or dropout:
+        temp += widest * c + (0.0 if input_kept else sbh * r)
+    if r != c:
+        temp += widest * 4 * (2 if dropout else 1)
+    return temp
 
 
 def forward_tail(a: Arch, sb: int, r: int, c: int, tr: Training) -> float:
     """Made in a layer's first forward after the last tensor it saves, so a recompute, which stops
-    there, never makes it (bytes): under autocast the branch's output on the MLP's last Linear and
-    its scaled copy, (tokens, hidden) each, beside `adapter_temp` (fitted on CPU: tiny Llama at
-    hidden 256, 512 to 1,024 tokens; ablate's GPT-2, whose c_proj adds a bias, measures without it)."""
-    if tr.mlp != "adapter" or tr.dora or r == c or a.kind != "llama":
+    there, never makes it (bytes): the branch's output on the MLP's last Linear and its scaled copy,
+    (tokens, hidden) each, beside `adapter_temp` less the dropout's output under autocast, gone by
+    then (fitted on CPU: tiny Llama at hidden 256, 512 to 1,024 tokens; ablate's GPT-2, whose
+    c_proj adds a bias, measures without it)."""
+    if tr.mlp != "adapter" or tr.dora or a.kind != "llama":
         return 0.0
-    return 2 * sb * a.hidden * c
+    gone = sb * a.inter * 4 if tr.dropout and r != c else 0.0
+    return max(2 * sb * a.hidden * c - gone, 0.0)
 
 
 def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL) -> float:
@@ -126,13 +136,15 @@ def _branches(tr: Training, sb: int, c: int, inputs: list[tuple], copies: bool) 
     for numel, n, before, outs in inputs:
         linears, width = linears + n, width + outs
         if copies:  # each branch its own copy (and dropout mask); else the input itself, as before
-            kept += n * numel * (c + (1 if tr.dropout else 0)) - max(before, 0)
+            kept += n * numel * (c + tr.dropout) - max(before, 0)
     return kept + linears * sb * tr.rank * c + (2 * sb * width * c if tr.dora else 0)
 
 
-def _frozen(inputs: list[tuple]) -> float:
-    """Bytes a frozen, unadapted part no longer keeps of its inputs."""
-    return -sum(max(before, 0) for _, _, before, _ in inputs)
+def _frozen(inputs: list[tuple]) -> tuple[float, float]:
+    """Bytes a frozen, unadapted part no longer keeps of its inputs: (of the part's own input, which
+    a recompute wrapper around the part keeps instead; of the rest)."""
+    first, *rest = (-max(before, 0) for _, _, before, _ in inputs)
+    return first, sum(rest)
 
 
 def _llama_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
@@ -142,7 +154,7 @@ def _llama_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     RMSNorm weights drop each norm's normalised input (r)."""
     sbh, q, inter = sb * a.hidden, sb * a.heads * a.head_dim, sb * a.inter
     autocast = r != c
-    copies = autocast or tr.dropout
+    copies = autocast or bool(tr.dropout)
     attn_in = [(sbh, 3, (3 if autocast else 1) * sbh * c, (a.heads + 2 * a.kv_heads) * a.head_dim), (q, 1, -1, a.hidden)]
     mlp_in = [(sbh, 2, (2 if autocast else 1) * sbh * c, 2 * a.inter), (inter, 1, inter * c, a.hidden)]
     # frozen, each RMSNorm's weight multiply keeps none of its normalised values: the pre-norms'
@@ -152,8 +164,9 @@ def _llama_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     qk = 0.0 if tr.norms or not a.qk_norm else -sb * (a.heads + a.kv_heads) * a.head_dim * (4 if a.fp32_norm else c)
     for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
         mode = getattr(tr, part)
-        change[part] = (_branches(tr, sb, c, inputs, copies) if mode == "adapter"
-                        else _frozen(inputs) if mode == "frozen" else 0.0)
+        change[part] = _branches(tr, sb, c, inputs, copies) if mode == "adapter" else 0.0
+        if mode == "frozen":
+            change[f"{part}_input"], change[part] = _frozen(inputs)
     change["attn"] += qk
     change["qk_norm"] = qk  # (of attention's: WITHIN)
     change["matmul"] = 0.0
@@ -171,8 +184,9 @@ def _gpt2_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     change = {}
     for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
         mode = getattr(tr, part)
-        change[part] = (_branches(tr, sb, c, inputs, r != c or tr.dropout) if mode == "adapter"
-                        else _frozen(inputs) if mode == "frozen" else 0.0)
+        change[part] = _branches(tr, sb, c, inputs, r != c or bool(tr.dropout)) if mode == "adapter" else 0.0
+        if mode == "frozen":
+            change[f"{part}_input"], change[part] = _frozen(inputs)
     return change
 
 
@@ -180,20 +194,24 @@ _TRAINED = {"llama": _llama_trained, "gpt2": _gpt2_trained}
 WITHIN = ("qk_norm",)  # parts that are bytes of another part (attention's), counted once in the layer's sum
 
 
-def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float, norm_wrapped: bool = False) -> float:
+def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float, wrapped: tuple = ()) -> float:
     """Bytes layer 0 keeps in full training that it does not when its input needs no gradient (a
-    frozen embedding), beyond its input itself: its first norm's copy of the input and statistics
-    (none where a recompute wrapper around the norm keeps the input instead: `norm_wrapped`),
+    frozen embedding), beyond its input itself: its first norm's copy of the input and statistics,
     under autocast the casts of the weights that input meets before an adapter (a frozen Linear
-    keeps its weight only for an input that needs a gradient), and where the attention is frozen,
-    all it (`attn`: what the fully trained attention keeps) and the second norm keep."""
+    keeps its weight only for an input that needs a gradient), the first adapters' dropout masks
+    (kept only for their input's gradient), and where the attention is frozen, all it (`attn`: what
+    the fully trained attention keeps) and the second norm keep. Of what a recompute wrapper keeps
+    in place of a part (`wrapped`: of "norm", "attn", "mlp"), that part's own bytes were never counted."""
     sbh, w = sb * a.hidden, a.hidden * a.heads * a.head_dim  # a (h, h) projection's elements (q, o)
     autocast = r != c
     if a.kind == "llama":
         norm, qkv = sbh * (4 - r) + sb * 4, w + 2 * a.hidden * a.kv_heads * a.head_dim
     else:  # gpt2: LayerNorm keeps its input (a copy when ln != r), mean and rstd
         norm, qkv = sbh * (ln - r) + 2 * sb * 4, 3 * w
-    dead = (0 if norm_wrapped else norm) + (qkv * c if autocast else 0)
+    dead = (0 if "norm" in wrapped else norm) + (qkv * c if autocast else 0)
+    first = "attn" if tr.attn == "adapter" else "mlp"
+    if first not in wrapped:
+        dead += {"attn": 3, "mlp": 2}[first] * sbh * tr.dropout if a.kind == "llama" else sbh * tr.dropout
     if tr.attn == "frozen":  # nothing in the attention needs a gradient: the MLP's adapters are the first
         ln_2 = sbh * 4 + sb * 4 if a.kind == "llama" else sbh * ln + 2 * sb * 4
         dead += attn + ln_2 + ((w + 2 * a.hidden * a.inter) * c if autocast else 0)

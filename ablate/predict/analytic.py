@@ -52,7 +52,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     r = c if fsdp_mp else BYTES[t.precision.param_dtype]
     ln = 4 if a.kind == "llama" or (t.precision.autocast_dtype and device == "cuda") else r
     sizes.compute_bytes, sizes.stream_bytes, sizes.norm_bytes = c, r, ln
-    tr = _training(t)
+    tr = _training(t, device, r)
     adapted, frozen = "adapter" in (tr.attn, tr.mlp), "frozen" in (tr.attn, tr.mlp)
     # Neither is modelled here (measured on CPU, tiny Llama LoRA at hidden 256, 512 and 1,024 tokens):
     # selective op recompute keeps the adapters' matmul outputs too (24% short in fp32 and pure bf16,
@@ -71,7 +71,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if fsdp_shards(t) and a.kind == "gpt2" and tr == FULL:  # GELU's output outlives c_proj's backward in an FSDP
         sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
     sizes.out_proj_input_grad = 0.0 if a.experts else sb * a.inter * c
-    sizes.forward_temp = forward_temp(a, sb, r, c, tr)
+    sizes.forward_temp = forward_temp(a, sb, r, c, tr, input_kept=t.checkpoint.wraps_mlp)
     sizes.forward_tail = forward_tail(a, sb, r, c, tr)
     sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
@@ -130,8 +130,13 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         attn = attention_saves(a, sb, r, c, ln, at)
         dead = unfed(a, sb, r, c, ln, tr, attn)
         # kept (not recomputed): not even the input itself, which nothing before an adapter keeps;
-        # a wrapped first norm's own keep was never counted in what is kept
-        kept = saved - unfed(a, sb, r, c, ln, tr, attn, t.checkpoint.wraps_norms) - shapes.sbh * r
+        # a wrapped part's own keep was never counted in what is kept
+        wrapped = tuple(part for part, on in (("norm", t.checkpoint.wraps_norms), ("mlp", t.checkpoint.wraps_mlp),
+                                              ("attn", t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp))
+                        if on)
+        kept = saved - unfed(a, sb, r, c, ln, tr, attn, wrapped) - shapes.sbh * r
+        if tr.attn == "frozen" and "attn" in wrapped:  # nothing in that attention needs a gradient: its
+            kept = full - dead - shapes.sbh * r          # wrapper keeps nothing, as if it were not there
         sizes.blocks[0] = (max(kept, 0.0) if saved else 0.0, full - dead)
     # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).
     sizes.head_keeps_input = t.peft.train_embeddings or t.loss.from_hidden
@@ -189,6 +194,10 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.out_proj_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_out_names) * c
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
         sizes.lm_head_cast = (shapes.vocab if t.loss.from_hidden else shapes.padded_vocab) * shapes.h * c
+    if t.checkpoint.wraps_mlp and tr.mlp == "frozen" and not sizes.mlp_input_remade:
+        # a frozen MLP keeps none of its input, which its wrapper keeps beside the MLP's recompute
+        # (fitted on CPU: tiny Llama at hidden 256, adapters on attention only, fp32 and pure bf16)
+        sizes.mlp_input_remade = shapes.sbh * r
     sizes.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
     sizes.offload_ahead = t.offload.layers_ahead if sizes.offload_acts else -1
     sizes.loss_chunks = t.loss.chunks if t.loss.from_hidden else 1
@@ -201,11 +210,14 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     return sizes
 
 
-def _training(t: Techniques) -> Training:
+def _training(t: Techniques, device: str, r: int) -> Training:
     """What of each decoder layer trains, as the peft option says."""
     p = t.peft
+    # CUDA's fused dropout keeps a 1-byte mask; elsewhere torch's composite dropout keeps its noise,
+    # drawn in its input's dtype: the adapter's, to which peft casts that input
+    mask = 1 if device == "cuda" else r
     return Training(attn=p.trains("attention"), mlp=p.trains("mlp"), norms=not p.freezes_base, rank=p.r,
-                    dropout=bool(p.dropout), dora=p.use_dora)
+                    dropout=mask if p.dropout else 0, dora=p.use_dora)
 
 
 def _fp8_weights(t: Techniques) -> int:
