@@ -208,11 +208,13 @@ def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float, 
         norm, qkv = sbh * (4 - r) + sb * 4, w + 2 * a.hidden * a.kv_heads * a.head_dim
     else:  # gpt2: LayerNorm keeps its input (a copy when ln != r), mean and rstd
         norm, qkv = sbh * (ln - r) + 2 * sb * 4, 3 * w
-    dead = (0 if "norm" in wrapped else norm) + (qkv * c if autocast else 0)
+    # (a wrapped part's frozen weights' casts go after its forward anyway: Step.uncached_cast)
+    attn_cast, mlp_cast = ("attn" not in wrapped) * c * autocast, ("mlp" not in wrapped) * c * autocast
+    dead = (0 if "norm" in wrapped else norm) + qkv * attn_cast
     first = "attn" if tr.attn == "adapter" else "mlp"
     if first not in wrapped:
         dead += {"attn": 3, "mlp": 2}[first] * sbh * tr.dropout if a.kind == "llama" else sbh * tr.dropout
     if tr.attn == "frozen":  # nothing in the attention needs a gradient: the MLP's adapters are the first
         ln_2 = sbh * 4 + sb * 4 if a.kind == "llama" else sbh * ln + 2 * sb * 4
-        dead += attn + ln_2 + ((w + 2 * a.hidden * a.inter) * c if autocast else 0)
+        dead += attn + ln_2 + w * attn_cast + 2 * a.hidden * a.inter * mlp_cast
     return dead

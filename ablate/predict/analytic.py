@@ -134,9 +134,10 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         wrapped = tuple(part for part, on in (("norm", t.checkpoint.wraps_norms), ("mlp", t.checkpoint.wraps_mlp),
                                               ("attn", t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp))
                         if on)
-        kept = saved - unfed(a, sb, r, c, ln, tr, attn, wrapped) - shapes.sbh * r
+        dead_kept = unfed(a, sb, r, c, ln, tr, attn, wrapped)
+        kept = saved - dead_kept - shapes.sbh * r
         if tr.attn == "frozen" and "attn" in wrapped:  # nothing in that attention needs a gradient: its
-            kept = full - dead - shapes.sbh * r          # wrapper keeps nothing, as if it were not there
+            kept = full - dead_kept - shapes.sbh * r     # wrapper keeps nothing, as if it were not there
         sizes.blocks[0] = (max(kept, 0.0) if saved else 0.0, full - dead)
     # The head's input is kept for its weight's gradient (the chunked loss keeps it anyway).
     sizes.head_keeps_input = t.peft.train_embeddings or t.loss.from_hidden
@@ -185,6 +186,16 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
             # under without: fitted on CPU, tiny families at hidden 64 and 256)
             remade = not (a.experts or a.kind == "gpt2")
             sizes.mlp_input_remade = shapes.sbh * r if remade else 0.0
+        # A frozen weight's cast is kept by no cache (autocast caches only the casts of weights that need
+        # a gradient) and, inside a recompute wrapper, by no saved tensor: it goes as soon as the wrapped
+        # part has run (fitted on CPU: tiny Llama LoRA at hidden 256 under attention recompute)
+        if not sizes.tiled_mlp and not sizes.casts_recomputed:
+            frozen = [n for n in shapes.linear_names if n in shapes.frozen]
+            sizes.frozen_cast = sum(shapes.param_numels[n] for n in frozen) * c
+            if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp:
+                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen if n not in shapes.mlp_names) * c
+            elif t.checkpoint.wraps_mlp:
+                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen if n in shapes.mlp_names) * c
         if sizes.tiled_mlp:  # each slice's recompute casts the MLP's weights again (tile_mlp's inner_temp):
             # no backward keeps the forward's casts of them, nor a recompute's around the slices
             sizes.tiled_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_names) * c

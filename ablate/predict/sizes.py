@@ -77,6 +77,8 @@ class Sizes:
     # as that projection's backward ends
     out_proj_cast: float = 0.0
     sublayer_cast: float = 0.0  # of them, a sub-layer's recomputed on its own, whose wrapper saves none (cast again in backward)
+    frozen_cast: float = 0.0  # of them, the frozen weights' (gone after a recomputed layer's forward)
+    frozen_sublayer_cast: float = 0.0  # of a sub-layer's, the frozen weights' (gone after its forward)
     # ... and a tiled MLP's (among them), which only its slices' recomputes cast again: the backward's
     # own casts of them are one slice's inner temporaries, and its weights' gradients add up slice by
     # slice in that dtype, from the first slice's backward to the last

@@ -45,6 +45,11 @@ class Step(LossPlay, GradPlay):
         (A block partly recomputed by wrappers inside it is counted as keeping them.)"""
         return saved > 0 and not self.sizes.offload_acts and not self.sizes.casts_recomputed
 
+    def uncached_cast(self, saved: float) -> float:
+        """A block's casts of frozen weights inside a recompute wrapper, which neither autocast's cache
+        nor a saved tensor holds: gone once the wrapped part has run (its whole layer's where `saved` is 0)."""
+        return self.sizes.frozen_cast if saved == 0 else self.sizes.frozen_sublayer_cast
+
     def keep(self, nbytes: float) -> float:
         return 0.0 if self.sizes.offload_acts else nbytes  # save_on_cpu: saved tensors live on the host
 
@@ -78,7 +83,10 @@ class Step(LossPlay, GradPlay):
             # the scores beside the probabilities, whether the checkpoint keeps them or not
             tl.transient("activations", sizes.attn_saved + sizes.attn_forward_temp if sizes.attn_forward_temp else 0.0)
             tl.alloc("activations", keep(saved) + keep(sbh * r))  # kept + the block output
+            attention_first = not sizes.mlp_alone and saved > 0  # a wrapped attention's go before the MLP runs
+            tl.free("activations", self.uncached_cast(saved) if attention_first else 0.0)
             tl.transient("activations", sizes.forward_temp + sizes.forward_tail)  # with all the layer keeps alive
+            tl.free("activations", 0.0 if attention_first else self.uncached_cast(saved))
             if sizes.offload_ahead >= 0:
                 tl.alloc("activations", saved + sbh * r)
                 tl.free("activations", copying)
@@ -92,8 +100,8 @@ class Step(LossPlay, GradPlay):
         self.loss_forward()
         tl.free("activations", sizes.ln_f_out_held)
         # Autocast's cache goes with the forward: casts backward does not need on the device with it.
-        tl.free("activations", sum(sizes.block_cast if not self.keeps_cast(saved) else sizes.sublayer_cast
-                                   for saved, _ in sizes.blocks)
+        tl.free("activations", sum((sizes.block_cast if not self.keeps_cast(saved) else sizes.sublayer_cast)
+                                   - self.uncached_cast(saved) for saved, _ in sizes.blocks)
                 + sizes.lm_head_cast - self.head_cast_kept())
         if sizes.reshard:  # the root's forward ends with the loss; its backward gathers it again
             self.release(sizes.root)
