@@ -233,8 +233,10 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, ad
         return experts.inner_temp(a, sb, c, r, g, adding)
     if tr.dora and tr.mlp == "adapter":
         return adapters.dora_inner_temp(a, sb, c)
-    # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once)
-    widest = (1 if a.kind == "neox" or (a.kind == "gpt2" and tr.mlp != "adapter") else 2) * sb * a.inter * c
+    # GPT-2's: an adapted c_proj sums its base's and its branch's input gradients (two at once), unless
+    # the branch's dropout copy and mask, gone before the base's is made, made room for it
+    two = a.kind == "gpt2" and tr.mlp == "adapter" and not tr.dropout
+    widest = (2 if two or a.kind not in ("neox", "gpt2") else 1) * sb * a.inter * c
     # A frozen output projection kept no input, whose bytes stood in for its input's gradient, made by
     # its backward and alive through these (fitted on CPU: tiny Llama, adapters on attention only)
     return widest + (sb * a.inter * c if tr.mlp == "frozen" else 0.0)
