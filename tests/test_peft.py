@@ -303,6 +303,18 @@ def test_adapters_with_dropout_are_predicted_within_half_a_percent(targets, prec
     assert pred == pytest.approx(real, rel=0.005)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16_pure"])
+def test_gpt2s_adapted_mlp_with_dropout_sums_one_input_gradient_at_a_time(precision):
+    """GPT-2's adapted c_proj frees its branch's dropout copy and mask before its base's input
+    gradient joins the branch's: counted as two gradients beside all it keeps, block recompute was
+    2.3% over in fp32 and 2.9% in pure bf16."""
+    base, overrides = [*TINY["gpt2"], *BASE], ["peft=lora", "peft.dropout=0.1", "peft.targets=mlp",
+                                               f"precision={precision}", "checkpoint=block"]
+    real = measured(overrides, base=base)
+    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.005)
+
+
 @pytest.mark.parametrize("targets,precision,checkpoint", [
     ("mlp", "bf16", "attention"),
     *(pytest.param(*point, marks=pytest.mark.slow) for point in [
