@@ -6,8 +6,9 @@ A frozen Linear keeps its weight for its input's gradient, never its input; an a
 keeps that input for A's gradient (the very tensor, unless each branch makes a copy of its own: its
 dropout's, or under autocast, where peft casts the input to the adapter's fp32 and autocast casts it
 back, so each branch keeps its own 16-bit copy), the dropout's mask (`Training.dropout` bytes an
-element), and the (tokens, rank) product for B's. A frozen norm weight's multiply keeps nothing. Measured against MemTracker
-on CPU: benchmarks/results/cpu/peft_predict.md.
+element), and the (tokens, rank) product for B's. A frozen norm weight's multiply keeps nothing.
+Measured against MemTracker on CPU: benchmarks/results/cpu/peft_predict.md and
+peft_targets_predict.md (every target, dropout, recompute option and precision).
 """
 from __future__ import annotations
 

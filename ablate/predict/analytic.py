@@ -132,9 +132,9 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         dead = unfed(a, sb, r, c, ln, tr, attn)
         # kept (not recomputed): not even the input itself, which nothing before an adapter keeps;
         # a wrapped part's own keep was never counted in what is kept
+        attention_alone = t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp
         wrapped = tuple(part for part, on in (("norm", t.checkpoint.wraps_norms), ("mlp", t.checkpoint.wraps_mlp),
-                                              ("attn", t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp))
-                        if on)
+                                              ("attn", attention_alone)) if on)
         dead_kept = unfed(a, sb, r, c, ln, tr, attn, wrapped)
         kept = saved - dead_kept - shapes.sbh * r
         if tr.attn == "frozen" and "attn" in wrapped:  # nothing in that attention needs a gradient: its
@@ -194,7 +194,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
             frozen = [n for n in shapes.linear_names if n in shapes.frozen]
             sizes.frozen_cast = sum(shapes.param_numels[n] for n in frozen) * c
             if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp:
-                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen if n not in shapes.mlp_names) * c
+                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen
+                                                 if n not in shapes.mlp_names) * c
             elif t.checkpoint.wraps_mlp:
                 sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen if n in shapes.mlp_names) * c
         if sizes.tiled_mlp:  # each slice's recompute casts the MLP's weights again (tile_mlp's inner_temp):
