@@ -75,6 +75,19 @@ def test_each_slices_backward_is_predicted_within_half_a_percent(family, precisi
 # Adapters over a tiled MLP (QLoRA's leanest combinations): tiny Llama's QLoRA in pure bf16 under
 # block recompute, as experiment=fit_llama_8b plans it, in the default suite, the rest behind `slow`;
 # LoRA under autocast (QLoRA refuses it) on the Llama layout.
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,checkpoint", [("bf16", "block"), ("bf16", "none"), ("fp32", "block")])
+def test_adapters_with_dropout_over_a_tiled_mlp_are_predicted_within_1_percent(precision, checkpoint):
+    """Each slice's recompute under autocast holds the output projection adapter's dropout output in
+    fp32 beside its widest tensors: without it block recompute in bf16 was 3.0% short. bf16 without
+    recompute is 0.9% over, fp32 under block recompute 0.6%."""
+    base = ["device=cpu", "batch_size=1", "seq_len=1024"]
+    overrides = [*tiny("llama3.2-1b", *_PHI3), "data.vocab_size=128", "optimizer=adamw_foreach", "peft=lora",
+                 "peft.dropout=0.1", f"precision={precision}", f"checkpoint={checkpoint}", "tiling=mlp"]
+    real = measured(overrides, base)
+    assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.01)
+
+
 ADAPTED = [pytest.param(*point, marks=() if point == ("llama", "qlora", "bf16_pure", "block") else pytest.mark.slow)
            for point in [*itertools.product(["llama", "gpt2"], ["lora", "qlora"], ["fp32", "bf16_pure"], ["none", "block"]),
                          ("llama", "lora", "bf16", "none"), ("llama", "lora", "bf16", "block")]]

@@ -33,6 +33,9 @@ def tile_mlp(sizes: Sizes, shapes: Shapes, tr: Training, n: int) -> None:
         raise Unmodelled("no analytic memory model for DoRA over a tiled MLP, nor for adapters over one under "
                          f"autocast on a {a.kind} layer (only the Llama layout's is modelled)")
     one = (sizes.inner_temp + sizes.mlp_saved) / n  # a slice's widest tensors
+    if tr.mlp == "adapter" and tr.dropout and r != c:  # and, recomputed under autocast, the output projection
+        # adapter's dropout output in fp32 until A has cast it (fitted on CPU: tiny Llama at hidden 256, 4 slices)
+        one += -(-shapes.sb // n) * a.inter * 4
     tail = -(-shapes.sb // n) * a.inter * c  # ... of them, those its output projection's backward makes
     sizes.forward_temp = forward_temp(a, -(-shapes.sb // n), r, c, tr)  # an adapted MLP's, over one slice
     if r != c:  # autocast in each slice's recompute: its casts of the weights, and of the slice for each
