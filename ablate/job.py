@@ -158,6 +158,9 @@ def link_artifacts(result: dict, old_dir: Path, new_dir: Path) -> None:
         dst.unlink(missing_ok=True)
         try:
             os.link(src, dst)
+        except FileExistsError:  # linked meanwhile by another process placing the same result
+            if not os.path.samefile(src, dst):
+                raise
         except OSError:  # another filesystem, or none that links
             shutil.copy2(src, dst)
 
@@ -196,6 +199,8 @@ def run_claimed(point: ResolvedPoint, progress: Progress) -> dict:
              if point.config["skip_existing"] else None)
     if found:
         path, result = found
+        if int(os.environ.get("SLURM_PROCID", 0)) != 0:
+            return {}  # multi-node: the first node's task places the row, as it writes a new one
         if path != result_path.resolve():  # this sweep's directory gets the earlier result too,
             # placed at this sweep's rung (a run key outside run_id: the same point in another ladder)
             # and says where it came from: the report marks a row measured elsewhere as reused

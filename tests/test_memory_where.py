@@ -153,6 +153,28 @@ def test_a_result_copied_to_another_sweep_brings_its_files(tmp_path):
     link_artifacts({}, old, new)  # an older result names none
 
 
+def test_a_result_linked_meanwhile_by_another_process_is_left_as_it_is(tmp_path, monkeypatch):
+    """Two processes placing one reused result (a task on each node of a multi-node point) may
+    both link its files: the one that loses the race finds the very file there, not an error."""
+    import os
+
+    from ablate import job
+
+    old, new = tmp_path / "first" / "p", tmp_path / "again" / "p"
+    old.mkdir(parents=True)
+    new.mkdir(parents=True)
+    (old / "memory_by_module.csv").write_text("module\n")
+    link = os.link
+
+    def raced(src, dst):  # the other process links first, between this one's unlink and link
+        link(src, dst)
+        link(src, dst)
+
+    monkeypatch.setattr(job.os, "link", raced)
+    job.link_artifacts({"artifacts": {"memory_by_module": "memory_by_module.csv"}}, old, new)
+    assert os.path.samefile(old / "memory_by_module.csv", new / "memory_by_module.csv")
+
+
 @pytest.mark.parametrize("overrides", [["checkpoint=block"], ["accumulation=x2"]])
 def test_module_names_and_shares_hold_under_wrappers_and_micro_batches(overrides):
     """Block recompute wraps each block (its rows keep their names); accumulation runs the root's
