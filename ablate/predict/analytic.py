@@ -191,13 +191,14 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         # a gradient) and, inside a recompute wrapper, by no saved tensor: it goes as soon as the wrapped
         # part has run (fitted on CPU: tiny Llama LoRA at hidden 256 under attention recompute)
         if not sizes.tiled_mlp and not sizes.casts_recomputed:
-            frozen = [n for n in shapes.linear_names if n in shapes.frozen]
-            sizes.frozen_cast = sum(shapes.param_numels[n] for n in frozen) * c
+            frozen_linears = [n for n in shapes.linear_names if n in shapes.frozen]
+            sizes.frozen_cast = sum(shapes.param_numels[n] for n in frozen_linears) * c
             if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp:
-                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen
+                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen_linears
                                                  if n not in shapes.mlp_names) * c
             elif t.checkpoint.wraps_mlp:
-                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen if n in shapes.mlp_names) * c
+                sizes.frozen_sublayer_cast = sum(shapes.param_numels[n] for n in frozen_linears
+                                                 if n in shapes.mlp_names) * c
         if sizes.tiled_mlp:  # each slice's recompute casts the MLP's weights again (tile_mlp's inner_temp):
             # no backward keeps the forward's casts of them, nor a recompute's around the slices
             sizes.tiled_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_names) * c
