@@ -176,14 +176,19 @@ def prestarted_outcome(spec: RunSpec, run_dir: Path, overrides: list[str], progr
     return outcome.outcome_of(spec, run_dir, overrides, progress)
 
 
+def first_node() -> bool:
+    """Whether this task is a point's first node's (or the point's only one): every node of a
+    multi-node point runs its job; the first node's claims the point and writes its row."""
+    return int(os.environ.get("SLURM_PROCID", 0)) == 0
+
+
 def run_point(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     warn_unswept(hc)
     point = ResolvedPoint.of(cfg, hc, Path(hc.runtime.output_dir))
     progress = Progress(point.label)
     # Claimed while it runs, by the first node's task only: every node of a multi-node point runs it.
-    first_node = int(os.environ.get("SLURM_PROCID", 0)) == 0
-    with claimed(results.Index(point.config["out_dir"]).claim_path(point.run_id), progress.note) if first_node \
+    with claimed(results.Index(point.config["out_dir"]).claim_path(point.run_id), progress.note) if first_node() \
             else contextlib.nullcontext():
         result = run_claimed(point, progress)
     if result:  # before the next point's Hydra writes its files there (which would fail with a traceback)
@@ -199,7 +204,7 @@ def run_claimed(point: ResolvedPoint, progress: Progress) -> dict:
              if point.config["skip_existing"] else None)
     if found:
         path, result = found
-        if int(os.environ.get("SLURM_PROCID", 0)) != 0:
+        if not first_node():
             return {}  # multi-node: the first node's task places the row, as it writes a new one
         if path != result_path.resolve():  # this sweep's directory gets the earlier result too,
             # placed at this sweep's rung (a run key outside run_id: the same point in another ladder)
@@ -215,7 +220,7 @@ def run_claimed(point: ResolvedPoint, progress: Progress) -> dict:
     outcome, prediction = prestarted_outcome(point.spec, point.run_dir, point.overrides, progress)
     timing = {"started_at": started.isoformat(), "finished_at": datetime.now(timezone.utc).isoformat(),
               "wall_s": time.monotonic() - t0, "phases_s": outcome.phases or None}
-    if int(os.environ.get("SLURM_PROCID", 0)) != 0:
+    if not first_node():
         return {}  # multi-node: every node ran its ranks; the first node's task writes the row
     result = point.record(outcome.status, outcome.reason, outcome.metrics, outcome.env, timing, prediction,
                           results.find_artifacts(point.run_dir))

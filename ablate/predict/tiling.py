@@ -33,11 +33,12 @@ def tile_mlp(sizes: Sizes, shapes: Shapes, tr: Training, n: int) -> None:
         raise Unmodelled("no analytic memory model for DoRA over a tiled MLP, nor for adapters over one under "
                          f"autocast on a {a.kind} layer (only the Llama layout's is modelled)")
     one = (sizes.inner_temp + sizes.mlp_saved) / n  # a slice's widest tensors
+    tokens = -(-shapes.sb // n)  # a slice's
     if tr.mlp == "adapter" and tr.dropout and r != c:  # and, recomputed under autocast, the output projection
         # adapter's dropout output in fp32 until A has cast it (fitted on CPU: tiny Llama at hidden 256, 4 slices)
-        one += -(-shapes.sb // n) * a.inter * 4
-    tail = -(-shapes.sb // n) * a.inter * c  # ... of them, those its output projection's backward makes
-    sizes.forward_temp = forward_temp(a, -(-shapes.sb // n), r, c, tr)  # an adapted MLP's, over one slice
+        one += tokens * a.inter * 4
+    tail = tokens * a.inter * c  # ... of them, those its output projection's backward makes
+    sizes.forward_temp = forward_temp(a, tokens, r, c, tr)  # an adapted MLP's, over one slice
     if r != c:  # autocast in each slice's recompute: its casts of the weights, and of the slice for each
         # projection that reads it (gate and up; Phi-3's one gate_up, GPT-2's c_fc)
         mlp = [name for name in shapes.linear_names if name in shapes.mlp_names]
