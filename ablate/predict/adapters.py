@@ -62,7 +62,7 @@ def forward_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: boo
     """Made and dropped inside an adapted layer's forward (bytes): the adapters' own (`adapter_temp`;
     `input_kept`: a recompute wrapper around the MLP keeps its input) and DoRA's (`dora_temp`)."""
     own = adapter_temp(a, sb, r, c, tr.dropout, input_kept) if tr.mlp == "adapter" else 0.0
-    return max(own, dora_temp(a, sb, c, tr) if tr.dora else 0.0)
+    return max(own, dora_temp(a, sb, r, c, tr, input_kept) if tr.dora else 0.0)
 
 
 def dora_inner_temp(a: Arch, sb: int, c: int) -> float:
@@ -72,7 +72,7 @@ def dora_inner_temp(a: Arch, sb: int, c: int) -> float:
     return max(2 * sb * a.inter * c - 2 * sb * a.hidden * c, 3 * sb * a.hidden * c)
 
 
-def dora_temp(a: Arch, sb: int, c: int, tr: Training) -> float:
+def dora_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: bool = False) -> float:
     """Made and dropped in forward by DoRA (peft's DoraLinearLayer) on a Llama layer, beyond what the
     layer keeps once done: the larger of
     - its weight norm, taken per adapted Linear from the adapter's dense update B·A (an (in, in)
@@ -80,12 +80,22 @@ def dora_temp(a: Arch, sb: int, c: int, tr: Training) -> float:
       (out, in);
     - at up_proj, the magnitude's three elementwise terms over its (tokens, inter) output, alive at
       their sum, less what the MLP still makes after it (its output, the product's, down_proj's
-      two DoRA outputs)."""
+      two DoRA outputs).
+    A 16-bit residual stream is alive beside the MLP's (RMSNorm keeps only its fp32 copy), but not
+    in the recompute of a wrapper around the MLP alone (`input_kept`), whose forward keeps less
+    (measured op by op on CPU: tiny Llama at hidden 256, each recompute option, pure bf16). In a
+    whole layer's recompute the branch's scaled output gradient is alive, as `recompute_grads`
+    counts for LoRA, and down_proj's branch output, which the layer keeps, is not made yet: the
+    two cancel."""
     q, h = a.heads * a.head_dim, a.hidden
     linears = {"attn": [(h, q), (q, h)], "mlp": [(h, a.inter), (a.inter, h)]}
-    norm = max((n_in * n_in + 3 * n_in * n_out) * c for part in ("attn", "mlp") if getattr(tr, part) == "adapter"
-               for n_in, n_out in linears[part])
-    return max(norm, (a.inter - 2 * h) * sb * c) if tr.mlp == "adapter" else norm
+    norm = {part: max((n_in * n_in + 3 * n_in * n_out) * c for n_in, n_out in linears[part])
+            for part in ("attn", "mlp") if getattr(tr, part) == "adapter"}
+    if tr.mlp != "adapter":
+        return norm["attn"]
+    residual = sb * h * r if a.kind == "llama" and r != 4 and not input_kept else 0.0
+    mlp = max(norm["mlp"], (a.inter - 2 * h) * sb * c) + residual
+    return max(norm.get("attn", 0.0), mlp)
 
 
 def adapter_temp(a: Arch, sb: int, r: int, c: int, dropout: int = 0, input_kept: bool = False) -> float:
@@ -122,7 +132,7 @@ def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL) -> fl
     """Gradients alive when a recomputed layer is run again (bytes): with an adapter on the MLP's
     last Linear, its first saved tensor is asked for only after its output's gradient was scaled
     for the branch (and, under autocast, cast to the compute dtype first)."""
-    if tr.mlp != "adapter" or tr.dora:  # DoRA's last multiply asks for the base's saved output at once
+    if tr.mlp != "adapter" or tr.dora:  # DoRA's is counted against what its recompute has not made yet
         return 0.0
     return sb * a.hidden * c * (2 if r != c else 1)
 

@@ -95,6 +95,11 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
     sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
     sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
+    if a.kind == "llama" and r == c == 4:  # in fp32 the final one holds five (B, T, h) tensors at its widest, the
+        # variance's gradient three of them, once the head's gradient and the normalised values a trained weight
+        # kept are gone: one more than a layer's own norms (measured op by op on CPU: tiny Llama at hidden 256,
+        # 2,048 tokens, trained and frozen norms; the peak of DoRA without recompute, 1.3% short before)
+        sizes.final_norm_backward_temp += shapes.sbh * 4
     if tiled and a.kind == "llama" and r != 4:  # a tiled MLP's joined 16-bit input gradient, and beside it the
         # norm's fp32 copy of it (fitted on CPU: tiny Llama at hidden 256 in pure bf16, 4 slices)
         sizes.norm_backward_temp += shapes.sbh * (4 - r)
