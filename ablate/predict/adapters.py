@@ -80,7 +80,10 @@ def dora_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: bool =
       (out, in);
     - at up_proj, the magnitude's three elementwise terms over its (tokens, inter) output, alive at
       their sum, less what the MLP still makes after it (its output, the product's, down_proj's
-      two DoRA outputs).
+      two DoRA outputs);
+    - at down_proj's magnitude multiply, its identity and dense update, which peft's forward holds
+      to its end, and two (tokens, hidden) tensors: the base output scaled, and in a recompute the
+      branch's scaled output gradient (forward makes more there, but holds less of the layer).
     A 16-bit residual stream is alive beside the MLP's (RMSNorm keeps only its fp32 copy), but not
     in the recompute of a wrapper around the MLP alone (`input_kept`), whose forward keeps less
     (measured op by op on CPU: tiny Llama at hidden 256, each recompute option, pure bf16). In a
@@ -94,7 +97,8 @@ def dora_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: bool =
     if tr.mlp != "adapter":
         return norm["attn"]
     residual = sb * h * r if a.kind == "llama" and r != 4 and not input_kept else 0.0
-    mlp = max(norm["mlp"], (a.inter - 2 * h) * sb * c) + residual
+    down_end = (a.inter * a.inter + a.inter * h + 2 * sb * h) * c
+    mlp = max(norm["mlp"], (a.inter - 2 * h) * sb * c, down_end) + residual
     return max(norm.get("attn", 0.0), mlp)
 
 
@@ -128,13 +132,18 @@ def forward_tail(a: Arch, sb: int, r: int, c: int, tr: Training) -> float:
     return max(2 * sb * a.hidden * c - gone, 0.0)
 
 
-def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL) -> float:
+def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL, mlp_alone: bool = False) -> float:
     """Gradients alive when a recomputed layer is run again (bytes): with an adapter on the MLP's
     last Linear, its first saved tensor is asked for only after its output's gradient was scaled
-    for the branch (and, under autocast, cast to the compute dtype first)."""
-    if tr.mlp != "adapter" or tr.dora:  # DoRA's is counted against what its recompute has not made yet
+    for the branch, beside that output's gradient in its own dtype (c) where it is not the
+    residual stream's: autocast's cast of it, or the gradient a norm on the MLP's output (Gemma
+    3's) made, whose backward runs before a wrapper around the MLP alone is recomputed."""
+    if tr.mlp != "adapter":
         return 0.0
-    return sb * a.hidden * c * (2 if r != c else 1)
+    own = sb * a.hidden * c if r != c or a.out_norms and mlp_alone else 0.0
+    if tr.dora:  # DoRA's scaled gradient is counted against what its recompute has not made yet
+        return own
+    return own + sb * a.hidden * c
 
 
 def _branches(tr: Training, sb: int, c: int, inputs: list[tuple], copies: bool) -> float:

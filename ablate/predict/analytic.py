@@ -74,7 +74,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.out_proj_input_grad = 0.0 if a.experts else sb * a.inter * c
     sizes.forward_temp = forward_temp(a, sb, r, c, tr, input_kept=t.checkpoint.wraps_mlp)
     sizes.forward_tail = forward_tail(a, sb, r, c, tr)
-    sizes.recompute_grads = recompute_grads(a, sb, r, c, tr)
+    sizes.recompute_grads = recompute_grads(a, sb, r, c, tr, mlp_alone=t.checkpoint.wraps_mlp)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp
     sizes.mlp_alone = t.checkpoint.wraps_mlp
     sizes.mlp_saved = mlp_saves(a, sb, r, c, ln, tr)
