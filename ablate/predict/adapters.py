@@ -58,10 +58,12 @@ def change(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     return _TRAINED[a.kind](a, sb, r, c, tr)
 
 
-def forward_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: bool = False) -> float:
+def forward_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: bool = False,
+                 linears_wrapped: bool = False) -> float:
     """Made and dropped inside an adapted layer's forward (bytes): the adapters' own (`adapter_temp`;
-    `input_kept`: a recompute wrapper around the MLP keeps its input) and DoRA's (`dora_temp`)."""
-    own = adapter_temp(a, sb, r, c, tr.dropout, input_kept) if tr.mlp == "adapter" else 0.0
+    `input_kept`: a recompute wrapper around the MLP keeps its input; `linears_wrapped`: one around
+    each Linear keeps that Linear's) and DoRA's (`dora_temp`)."""
+    own = adapter_temp(a, sb, r, c, tr.dropout, input_kept, linears_wrapped) if tr.mlp == "adapter" else 0.0
     return max(own, dora_temp(a, sb, r, c, tr, input_kept) if tr.dora else 0.0)
 
 
@@ -102,7 +104,8 @@ def dora_temp(a: Arch, sb: int, r: int, c: int, tr: Training, input_kept: bool =
     return max(norm.get("attn", 0.0), mlp)
 
 
-def adapter_temp(a: Arch, sb: int, r: int, c: int, dropout: int = 0, input_kept: bool = False) -> float:
+def adapter_temp(a: Arch, sb: int, r: int, c: int, dropout: int = 0, input_kept: bool = False,
+                 linears_wrapped: bool = False) -> float:
     """Made and dropped while the MLP's last Linear runs its adapter: the base Linear's output,
     alive until the branch's is added to it. Where the branches copy their inputs (autocast's casts,
     dropout's outputs) nothing keeps the Linear's input, nor the MLP's own input (the second norm's
@@ -114,7 +117,7 @@ def adapter_temp(a: Arch, sb: int, r: int, c: int, dropout: int = 0, input_kept:
     sbh, widest = sb * a.hidden, sb * (4 * a.hidden if a.kind == "gpt2" else a.inter)
     temp = sbh * c + (sbh * r if a.kind == "llama" and r != 4 else 0.0)
     if r != c or dropout:
-        temp += widest * c + (0.0 if input_kept else sbh * r)
+        temp += 0.0 if linears_wrapped else widest * c + (0.0 if input_kept else sbh * r)
     if r != c:
         temp += widest * 4 * (2 if dropout else 1)
     return temp
@@ -160,6 +163,12 @@ def _branches(tr: Training, sb: int, c: int, inputs: list[tuple], copies: bool) 
     return kept + linears * sb * tr.rank * c + (2 * sb * width * c if tr.dora else 0)
 
 
+def _linear_inputs(inputs: list[tuple]) -> float:
+    """Bytes of `inputs` that the branches' copies stood in for (`_branches`), which a recompute
+    wrapper around each base Linear keeps again: the Linear's input, the same tensor for all."""
+    return sum(max(before, 0) for _, _, before, _ in inputs)
+
+
 def _frozen(inputs: list[tuple]) -> tuple[float, float]:
     """Bytes a frozen, unadapted part no longer keeps of its inputs: (of the part's own input, which
     a recompute wrapper around the part keeps instead; of the rest)."""
@@ -185,6 +194,7 @@ def _llama_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
         mode = getattr(tr, part)
         change[part] = _branches(tr, sb, c, inputs, copies) if mode == "adapter" else 0.0
+        change[f"{part}_linear_inputs"] = _linear_inputs(inputs) if mode == "adapter" and copies else 0.0
         if mode == "frozen":
             change[f"{part}_input"], change[part] = _frozen(inputs)
     change["attn"] += qk
@@ -204,14 +214,17 @@ def _gpt2_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     change = {}
     for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
         mode = getattr(tr, part)
-        change[part] = _branches(tr, sb, c, inputs, r != c or bool(tr.dropout)) if mode == "adapter" else 0.0
+        copies = r != c or bool(tr.dropout)
+        change[part] = _branches(tr, sb, c, inputs, copies) if mode == "adapter" else 0.0
+        change[f"{part}_linear_inputs"] = _linear_inputs(inputs) if mode == "adapter" and copies else 0.0
         if mode == "frozen":
             change[f"{part}_input"], change[part] = _frozen(inputs)
     return change
 
 
 _TRAINED = {"llama": _llama_trained, "gpt2": _gpt2_trained}
-WITHIN = ("qk_norm",)  # parts that are bytes of another part (attention's), counted once in the layer's sum
+# parts that are bytes of another part (attention's, the MLP's), counted once in the layer's sum
+WITHIN = ("qk_norm", "attn_linear_inputs", "mlp_linear_inputs")
 
 
 def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float, wrapped: tuple = ()) -> float:

@@ -72,7 +72,8 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if fsdp_shards(t) and a.kind == "gpt2" and tr == FULL:  # GELU's output outlives c_proj's backward in an FSDP
         sizes.inner_temp += sb * a.inter * c          # unit (MemTracker on a traced rank; why is not known)
     sizes.out_proj_input_grad = 0.0 if a.experts else sb * a.inter * c
-    sizes.forward_temp = forward_temp(a, sb, r, c, tr, input_kept=t.checkpoint.wraps_mlp)
+    sizes.forward_temp = forward_temp(a, sb, r, c, tr, input_kept=t.checkpoint.wraps_mlp,
+                                      linears_wrapped=t.checkpoint.recomputes_casts)
     sizes.forward_tail = forward_tail(a, sb, r, c, tr)
     sizes.recompute_grads = recompute_grads(a, sb, r, c, tr, mlp_alone=t.checkpoint.wraps_mlp)
     sizes.recompute_with_mlp = t.checkpoint.recompute_with_mlp

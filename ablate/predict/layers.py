@@ -56,6 +56,7 @@ def _full(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention, tr: Training
     # (what a part's Linears keep of its input, less what a wrapper keeps of it, may go below 0)
     parts = {k: (v + change[k] if k.endswith("_input") else max(v + change[k], 0.0)) if k in change else v
              for k, v in parts.items()}
+    parts.update({k: v for k, v in change.items() if k.endswith("_linear_inputs")})
     return full + sum(v for k, v in change.items() if k not in adapters.WITHIN), parts
 
 
@@ -213,13 +214,14 @@ def _post_norm(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention) -> tupl
                   "mlp_input": h_in, "mlp_input_wrapped": sbh * r, "last_matmul": sbh * c}
 
 
-def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL, input_kept: bool = False) -> float:
+def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL, input_kept: bool = False,
+                 linears_wrapped: bool = False) -> float:
     """Made and dropped inside a layer's forward even when it keeps everything (bytes): a mixture
     of experts' routing-weighted outputs, (S, h), and their copy put back in token order (for
     Mixtral in fp32, its routing weights' dtype); an adapted layer's (`input_kept`: a recompute
     wrapper around the MLP keeps its input). A dense MLP's all stay for backward: 0."""
     if "adapter" in (tr.attn, tr.mlp):
-        return adapters.forward_temp(a, sb, r, c, tr, input_kept)
+        return adapters.forward_temp(a, sb, r, c, tr, input_kept, linears_wrapped)
     return 2 * sb * a.top_k * a.hidden * (4 if a.fp32_routing else r) if a.experts else 0.0
 
 

@@ -250,6 +250,10 @@ class Layers(_Recompute):
         if "linear" in self.types:  # ... and around the MLP's first projections
             mlp_input = parts.get("mlp_input", 0.0)
             saved -= mlp_input - parts.get("mlp_input_wrapped", mlp_input)
+            # a wrapper around an adapted Linear's base keeps the input its adapters' copies stood in for
+            saved += parts.get("mlp_linear_inputs", 0.0)
+            if "attention" not in self.types:
+                saved += parts.get("attn_linear_inputs", 0.0)
         if "layernorm" in self.types:  # what a norm keeps beyond its input
             saved -= parts["norm"]
             if "attention" not in self.types:  # Qwen3's q/k norms: wrapped inside attention only when it is not
