@@ -26,7 +26,8 @@ GRID = [(peft, targets, 0.0, checkpoint, precision)
         in itertools.product(["lora", "dora", "qlora"], ["all", "attention", "mlp"], CHECKPOINTS, PRECISIONS)]
 GRID += [("lora", targets, 0.1, checkpoint, precision)
          for targets, checkpoint, precision
-         in itertools.product(["all", "attention", "mlp"], ["none", "attention", "mlp", "block"], PRECISIONS)]
+         in itertools.product(["all", "attention", "mlp"], ["none", "attention", "mlp", "block", "layers"],
+                              PRECISIONS)]
 
 
 def row(point: tuple) -> tuple[str, float | None]:
