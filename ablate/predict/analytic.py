@@ -27,6 +27,7 @@ from ablate.predict.allocator import slack_bytes
 from ablate.predict.attention import Attention, attention_temps, eager_mask
 from ablate.predict.experts import expert_moments
 from ablate.predict.layers import attention_saves, forward_temp, inner_temp, layer_saves, mlp_saves
+from ablate.predict.norms import norm_temps
 from ablate.predict.model_state import BYTES, MIB, fsdp_shards, grad_bytes, model_state
 from ablate.predict.shapes import Shapes, shapes_of
 from ablate.predict.tiling import tile_mlp
@@ -65,12 +66,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     if adapted and t.checkpoint.recomputes_casts and (r != c or frozen):
         raise Unmodelled("no analytic memory model for adapters under layer-type recompute of the Linears "
                          "(checkpoint=layers) in autocast or beside a frozen part (peft.targets other than all)")
-    sizes.inner_temp = inner_temp(a, sb, c, r, grad_bytes(t), tr)
-    if a.kind == "llama" and tr.mlp == "adapter" and tr.dropout and not t.checkpoint.recompute_with_mlp:
-        # an MLP kept from forward: its output projection's dropout copy and mask go with that projection's
-        # backward, before gate's and up's gradients exist (measured op by op on CPU: tiny Llama at hidden
-        # 256, layer-type recompute in fp32, 1.4-1.7% over without; a recomputed MLP's measure as counted)
-        sizes.inner_temp -= sb * a.inter * (c + tr.dropout)
+    sizes.inner_temp = inner_temp(a, sb, c, r, grad_bytes(t), tr, mlp_kept=not t.checkpoint.recompute_with_mlp)
     if a.experts:
         sizes.inner_temp_adding = inner_temp(a, sb, c, r, grad_bytes(t), tr, adding=True)
         sizes.expert_moments = expert_moments(a, sb, r, grad_bytes(t))
@@ -96,45 +92,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.attn_saved = attention_saves(a, sb, r, c, ln, at) if at.kind != "fused" else 0.0
     if t.checkpoint.wraps_attention and not t.checkpoint.recompute_with_mlp:
         sizes.attn_later = attention_saves(a, sb, r, c, ln, at)
-    # RMSNorm's backward in fp32: the gradient of its normalised input and of its fp32 input, two
-    # (B, T, h) fp32 tensors, and on a 16-bit stream the fp32 casts of both gradients besides
-    # (fitted on CPU: tiny Llama, seq 4,096, tiled MLP under block recompute, where this is the peak)
-    sizes.norm_backward_temp = shapes.sbh * 4 * (2 if r == 4 else 4) if a.kind == "llama" else 0.0
-    sizes.final_norm_backward_temp = sizes.norm_backward_temp  # the same RMSNorm, before the last layer's
-    if a.kind == "llama" and r == c == 4:  # in fp32 the final one holds five (B, T, h) tensors at its widest, the
-        # variance's gradient three of them, once the head's gradient and the normalised values a trained weight
-        # kept are gone: one more than a layer's own norms (measured op by op on CPU: tiny Llama at hidden 256,
-        # 2,048 tokens, trained and frozen norms; the peak of DoRA without recompute, 1.3% short before)
-        sizes.final_norm_backward_temp += shapes.sbh * 4
-    if tiled and a.kind == "llama" and r != 4:  # a tiled MLP's joined 16-bit input gradient, and beside it the
-        # norm's fp32 copy of it (fitted on CPU: tiny Llama at hidden 256 in pure bf16, 4 slices)
-        sizes.norm_backward_temp += shapes.sbh * (4 - r)
-    if a.kind == "llama" and r == 4 and c != 4:  # under autocast the head's 16-bit input gradient meets the fp32
-        # stream there: 6·sbh bytes more (fitted on CPU: tiny Llama and Gemma 3, hidden 256, batch 4 and 8)
-        sizes.final_norm_backward_temp += shapes.sbh * (4 + c)
-    fp32_throughout = 4 * shapes.sbh * 4  # an RMSNorm fp32 throughout: four (B, T, h) fp32 tensors at its widest
-    if a.post_norm or a.fp32_norm and r != 4:  # on an fp32 stream Gemma's is Llama's (fitted on CPU: tiny OLMo 2 and Gemma)
-        sizes.norm_backward_temp = fp32_throughout
-        # the final one: the head's 16-bit gradient cast up beside, its fp32 normalised values gone first
-        sizes.final_norm_backward_temp = sizes.norm_backward_temp + shapes.sbh * (r - 4)
-    if a.sandwich and c != 4:  # its post-norms read a 16-bit projection output: fp32 throughout, as OLMo 2's,
-        # and the one on attention's output runs after the pre-MLP norm's backward (fitted on CPU: tiny Gemma 3)
-        sizes.norm_backward_temp = max(sizes.norm_backward_temp, fp32_throughout)
-    if a.out_norms:  # its norm on the MLP's output runs first in the layer's backward, beside everything the layer
-        # keeps: fp32 throughout, whatever the stream's dtype (fitted on CPU: tiny OLMo 2 and Gemma 3)
-        sizes.out_norm_backward_temp = max(sizes.norm_backward_temp, fp32_throughout)
-        sizes.out_norm_saved = 2 * shapes.sbh * 4 + sb * 4  # its fp32 input and normalised values, the rsqrt
-    if a.kind == "llama" and not tr.norms:  # the gradient of the second norm's output lives through it; a
-        # trained weight's multiply frees the normalised input it kept (r) as its backward starts,
-        # making room for it, a frozen one kept none (fitted on CPU: tiny Llama, LoRA over a tiled MLP)
-        normalised = shapes.sbh * (4 if a.fp32_norm else r)
-        sizes.norm_backward_temp += normalised
-        sizes.final_norm_backward_temp += normalised  # the final norm's alike (its weight frozen too)
-        if a.out_norms:  # and the post-norm's, whose normalised values are fp32 and not kept
-            sizes.out_norm_backward_temp += shapes.sbh * 4
-            sizes.out_norm_saved -= shapes.sbh * 4
-    if a.out_norms and sizes.forward_temp:  # the norm on the MLP's output keeps nothing yet while the
-        sizes.forward_tail -= sizes.out_norm_saved  # adapters' temporaries are alive
+    norm_temps(sizes, a, shapes.sbh, sb, r, c, tiled, tr)
     sizes.attn_forward_temp, sizes.attn_backward_temp = attention_temps(a, sb, c, r, ln, at)
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient
