@@ -163,6 +163,19 @@ def _branches(tr: Training, sb: int, c: int, inputs: list[tuple], copies: bool) 
     return kept + linears * sb * tr.rank * c + (2 * sb * width * c if tr.dora else 0)
 
 
+def _by_part(tr: Training, sb: int, c: int, inputs: dict, copies: bool) -> dict:
+    """The change of each part ("attn", "mlp": the inputs of its Linears, as `_branches` takes them)
+    as it trains: an adapted one's branches and the inputs they copied, a frozen one's lost keeps."""
+    change = {}
+    for part, ins in inputs.items():
+        mode = getattr(tr, part)
+        change[part] = _branches(tr, sb, c, ins, copies) if mode == "adapter" else 0.0
+        change[f"{part}_linear_inputs"] = _linear_inputs(ins) if mode == "adapter" and copies else 0.0
+        if mode == "frozen":
+            change[f"{part}_input"], change[part] = _frozen(ins)
+    return change
+
+
 def _linear_inputs(inputs: list[tuple]) -> float:
     """Bytes of `inputs` that the branches' copies stood in for (`_branches`), which a recompute
     wrapper around each base Linear keeps again: the Linear's input, the same tensor for all."""
@@ -191,12 +204,7 @@ def _llama_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     # projections' dtype, or fp32)
     change = {"norm": 0.0 if tr.norms else -2 * sbh * (4 if a.fp32_norm else r) - (2 * sbh * 4 if a.sandwich else 0)}
     qk = 0.0 if tr.norms or not a.qk_norm else -sb * (a.heads + a.kv_heads) * a.head_dim * (4 if a.fp32_norm else c)
-    for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
-        mode = getattr(tr, part)
-        change[part] = _branches(tr, sb, c, inputs, copies) if mode == "adapter" else 0.0
-        change[f"{part}_linear_inputs"] = _linear_inputs(inputs) if mode == "adapter" and copies else 0.0
-        if mode == "frozen":
-            change[f"{part}_input"], change[part] = _frozen(inputs)
+    change.update(_by_part(tr, sb, c, {"attn": attn_in, "mlp": mlp_in}, copies))
     change["attn"] += qk
     change["qk_norm"] = qk  # (of attention's: WITHIN)
     change["matmul"] = 0.0
@@ -211,15 +219,7 @@ def _gpt2_trained(a: Arch, sb: int, r: int, c: int, tr: Training) -> dict:
     h = a.hidden
     attn_in = [(sbh, 1, sbh * c, 3 * h), (sbh, 1, -1, h)]
     mlp_in = [(sbh, 1, sbh * c, 4 * h), (4 * sbh, 1, 4 * sbh * c, h)]
-    change = {}
-    for part, inputs in (("attn", attn_in), ("mlp", mlp_in)):
-        mode = getattr(tr, part)
-        copies = r != c or bool(tr.dropout)
-        change[part] = _branches(tr, sb, c, inputs, copies) if mode == "adapter" else 0.0
-        change[f"{part}_linear_inputs"] = _linear_inputs(inputs) if mode == "adapter" and copies else 0.0
-        if mode == "frozen":
-            change[f"{part}_input"], change[part] = _frozen(inputs)
-    return change
+    return _by_part(tr, sb, c, {"attn": attn_in, "mlp": mlp_in}, r != c or bool(tr.dropout))
 
 
 _TRAINED = {"llama": _llama_trained, "gpt2": _gpt2_trained}

@@ -219,7 +219,8 @@ def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL, inpu
     """Made and dropped inside a layer's forward even when it keeps everything (bytes): a mixture
     of experts' routing-weighted outputs, (S, h), and their copy put back in token order (for
     Mixtral in fp32, its routing weights' dtype); an adapted layer's (`input_kept`: a recompute
-    wrapper around the MLP keeps its input). A dense MLP's all stay for backward: 0."""
+    wrapper around the MLP keeps its input; `linears_wrapped`: one around each Linear keeps
+    that Linear's). A dense MLP's all stay for backward: 0."""
     if "adapter" in (tr.attn, tr.mlp):
         return adapters.forward_temp(a, sb, r, c, tr, input_kept, linears_wrapped)
     return 2 * sb * a.top_k * a.hidden * (4 if a.fp32_routing else r) if a.experts else 0.0
@@ -233,9 +234,9 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, ad
     has two gradients of its input alive instead); Llama's of gate's and up's (the product
     down_proj kept is gone, its gradient not yet); a mixture of experts' (`experts.inner_temp`). An
     adapted MLP kept from forward (`mlp_kept`: not recomputed) frees its output projection's dropout
-    copy and mask with that projection's backward, before Llama's exist (measured op by op on CPU:
-    tiny Llama at hidden 256, layer-type recompute in fp32, 1.4-1.7% over without; a recomputed
-    MLP measures as counted)."""
+    copy and mask with that projection's backward, before gate's and up's gradients exist
+    (measured op by op on CPU: tiny Llama at hidden 256, layer-type recompute in fp32, 1.4-1.7%
+    over without; a recomputed MLP measures as counted)."""
     if a.experts:
         return experts.inner_temp(a, sb, c, r, g, adding)
     if tr.dora and tr.mlp == "adapter":
