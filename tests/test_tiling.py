@@ -76,13 +76,20 @@ def test_each_slices_backward_is_predicted_within_half_a_percent(family, precisi
 # block recompute, as experiment=fit_llama_8b plans it, in the default suite, the rest behind `slow`;
 # LoRA under autocast (QLoRA refuses it) on the Llama layout.
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,checkpoint", [("bf16", "block"), ("bf16", "none"), ("fp32", "block")])
-def test_adapters_with_dropout_over_a_tiled_mlp_are_predicted_within_1_percent(precision, checkpoint):
+@pytest.mark.parametrize("name,precision,checkpoint", [
+    ("llama3.2-1b", "bf16", "block"), ("llama3.2-1b", "bf16", "none"), ("llama3.2-1b", "fp32", "block"),
+    ("llama3.2-1b", "bf16_pure", "attention"), ("llama3.2-1b", "fp32", "attention"),
+    ("gemma3_text", "fp32", "attention")])
+def test_adapters_with_dropout_over_a_tiled_mlp_are_predicted_within_1_percent(name, precision, checkpoint):
     """Each slice's recompute under autocast holds the output projection adapter's dropout output in
     fp32 beside its widest tensors: without it block recompute in bf16 was 3.0% short. bf16 without
-    recompute is 0.9% over, fp32 under block recompute 0.6%."""
+    recompute is 0.9% over, fp32 under block recompute 0.6%. Attention recomputed on its own, with
+    the MLP's slices done, makes its adapters' dropout copies again, and its output projection's
+    base output beside the branch's scaled gradient at its end (Gemma 3's post-norm has freed its
+    input by then): counted as a fully trained attention's, pure bf16 was 14.9% over, fp32 1.3%
+    short and Gemma 3 in fp32 6.0% short (bf16, 4.0% short, is now 1.1% over)."""
     base = ["device=cpu", "batch_size=1", "seq_len=1024"]
-    overrides = [*tiny("llama3.2-1b", *_PHI3), "data.vocab_size=128", "optimizer=adamw_foreach", "peft=lora",
+    overrides = [*tiny(name, *_PHI3), "data.vocab_size=128", "optimizer=adamw_foreach", "peft=lora",
                  "peft.dropout=0.1", f"precision={precision}", f"checkpoint={checkpoint}", "tiling=mlp"]
     real = measured(overrides, base)
     assert analytic(compose_spec([*base, *overrides])).peak_mib == pytest.approx(real.peak_mib, rel=0.01)

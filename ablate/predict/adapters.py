@@ -111,11 +111,12 @@ def adapter_temp(a: Arch, sb: int, r: int, c: int, dropout: int = 0, input_kept:
     dropout's outputs) nothing keeps the Linear's input, nor the MLP's own input (the second norm's
     output, in the stream's dtype) unless a recompute wrapper around the MLP does (`input_kept`):
     the layer holds both while its MLP runs, and a 16-bit residual stream besides, which RMSNorm
-    keeps only as its fp32 copy. Under autocast also peft's fp32 copy of the Linear's input for the
+    keeps only as its fp32 copy (not in the recompute of such a wrapper, whose forward runs
+    without the layer around it). Under autocast also peft's fp32 copy of the Linear's input for the
     fp32 adapter and, with dropout, the dropout's fp32 output until A has cast it (measured op by op
     on CPU: tiny Llama at hidden 256, with and without dropout, each precision)."""
     sbh, widest = sb * a.hidden, sb * (4 * a.hidden if a.kind == "gpt2" else a.inter)
-    temp = sbh * c + (sbh * r if a.kind == "llama" and r != 4 else 0.0)
+    temp = sbh * c + (sbh * r if a.kind == "llama" and r != 4 and not input_kept else 0.0)
     if r != c or dropout:
         temp += 0.0 if linears_wrapped else widest * c + (0.0 if input_kept else sbh * r)
     if r != c:
@@ -147,6 +148,18 @@ def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL, mlp_a
     if tr.dora:  # DoRA's scaled gradient is counted against what its recompute has not made yet
         return own
     return own + sb * a.hidden * c
+
+
+def attention_recompute_temp(a: Arch, sb: int, r: int, c: int, tr: Training) -> float:
+    """Alive at the end of an adapted attention's recompute on its own, beyond what it keeps (bytes):
+    the output projection's base output, and the gradient of that projection's output scaled for
+    the branch, which asked for the recompute; beside that gradient in its own dtype where it is
+    not the residual stream's (autocast's cast of it, or the gradient a norm on the attention's
+    output made, whose backward has freed the fp32 input that norm kept)."""
+    if tr.attn != "adapter":
+        return 0.0
+    sbh = sb * a.hidden
+    return sbh * c * (2 + (r != c or a.out_norms)) - (sbh * 4 if a.out_norms else 0.0)
 
 
 def _branches(tr: Training, sb: int, c: int, inputs: list[tuple], copies: bool) -> float:

@@ -88,9 +88,9 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, a
     return saved, full
 
 
-def attention_saves(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention()) -> float:
-    """Bytes a fully trained layer's attention keeps for backward."""
-    return _full(a, sb, r, c, ln, at)[1]["attn"]
+def attention_saves(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(), tr: Training = FULL) -> float:
+    """Bytes a layer's attention keeps for backward, as much of it as `tr` trains."""
+    return _full(a, sb, r, c, ln, at, tr)[1]["attn"]
 
 
 def mlp_saves(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training = FULL) -> float:
@@ -227,16 +227,16 @@ def forward_temp(a: Arch, sb: int, r: int, c: int = 4, tr: Training = FULL, inpu
 
 
 def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, adding: bool = False,
-               mlp_kept: bool = False) -> float:
+               tiled: bool = False) -> float:
     """The MLP's widest tensors alive together inside a layer's forward and backward beyond what it
     keeps (bytes), `g` bytes per gradient element: GPT-2's gradients of c_fc's and GELU's outputs
     (s·b·4h each) less GELU's output, which c_proj's backward has freed by then (an adapted c_proj
     has two gradients of its input alive instead); Llama's of gate's and up's (the product
     down_proj kept is gone, its gradient not yet); a mixture of experts' (`experts.inner_temp`). An
-    adapted MLP kept from forward (`mlp_kept`: not recomputed) frees its output projection's dropout
-    copy and mask with that projection's backward, before gate's and up's gradients exist
-    (measured op by op on CPU: tiny Llama at hidden 256, layer-type recompute in fp32, 1.4-1.7%
-    over without; a recomputed MLP measures as counted)."""
+    adapted MLP frees its output projection's dropout copy and mask with that projection's
+    backward, before gate's and up's gradients exist (measured op by op on CPU: tiny Llama at
+    hidden 64 and 256, layer-type and MLP recompute in fp32, 1.4-2.1% over without); the slices of
+    a `tiled` one measure as counted without that (within 1%: ablate/predict/tiling.py)."""
     if a.experts:
         return experts.inner_temp(a, sb, c, r, g, adding)
     if tr.dora and tr.mlp == "adapter":
@@ -247,7 +247,7 @@ def inner_temp(a: Arch, sb: int, c: int, r: int, g: int, tr: Training = FULL, ad
     widest = (2 if two or a.kind not in ("neox", "gpt2") else 1) * sb * a.inter * c
     # A frozen output projection kept no input, whose bytes stood in for its input's gradient, made by
     # its backward and alive through these (fitted on CPU: tiny Llama, adapters on attention only)
-    gone = sb * a.inter * (c + tr.dropout) if a.kind == "llama" and tr.mlp == "adapter" and tr.dropout and mlp_kept \
+    gone = sb * a.inter * (c + tr.dropout) if a.kind == "llama" and tr.mlp == "adapter" and tr.dropout and not tiled \
         else 0.0
     return widest + (sb * a.inter * c if tr.mlp == "frozen" else 0.0) - gone
 

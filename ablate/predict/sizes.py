@@ -70,6 +70,7 @@ class Sizes:
     block_cast: float = 0.0  # autocast's compute-dtype copies of one block's Linear weights and biases
     casts_recomputed: bool = False  # a layer's recompute keeps none of them however much else it keeps (cast again)
     attn_later: float = 0.0  # what attention recomputed on its own makes again, after the second norm's backward
+    attn_recompute_temp: float = 0.0  # ... and beside it at that recompute's end (an adapted output projection's)
     # an MLP recomputed on its own under autocast casts its input again, while its wrapper keeps
     # that input (the norm's output) beside the casts: what full - saved nets off
     mlp_input_remade: float = 0.0

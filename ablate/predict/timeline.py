@@ -210,6 +210,7 @@ class Step(LossPlay, GradPlay):
             tl.free("activations", 0.0 if gone_first else gone)
             tl.transient("other", sizes.norm_backward_temp)
             tl.alloc("activations", later)
+            tl.transient("other", sizes.attn_recompute_temp if later else 0.0)
             tl.transient("other", sizes.attn_backward_temp)
             for n in self.block_names[i]:
                 if n not in mlp:
