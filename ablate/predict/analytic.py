@@ -22,7 +22,8 @@ import math
 
 from ablate.build import Techniques
 from ablate.predict import Prediction
-from ablate.predict.adapters import FULL, Training, attention_recompute_temp, forward_tail, recompute_grads, unfed
+from ablate.predict.adapters import (FULL, Training, attention_recompute_temp, dequant_temp, forward_tail,
+                                     recompute_grads, unfed)
 from ablate.predict.allocator import slack_bytes
 from ablate.predict.attention import Attention, attention_temps, eager_mask
 from ablate.predict.experts import expert_moments
@@ -275,12 +276,20 @@ def _sized(spec: RunSpec) -> tuple[Techniques, Shapes, Sizes]:
         # for FSDP's shards, nor a 4-bit weight, quantised through temporaries.
         param_bytes = BYTES[t.precision.param_dtype]
         sizes.other += slack_bytes([numel * param_bytes for numel in shapes.param_numels.values()])
-    if sizes.op_temps and shapes.packed:  # a 4-bit weight dequantised for each matmul, inside the op
-        widest = max(math.prod(shapes.param_shapes[n]) * 2 for n in shapes.packed)  # two weights a byte
-        sizes.forward_temp += widest * sizes.compute_bytes
-        sizes.inner_temp += widest * sizes.compute_bytes
-        if sizes.inner_temp_adding is not None:
-            sizes.inner_temp_adding += widest * sizes.compute_bytes
+    if shapes.packed:  # a 4-bit weight dequantised in the compute dtype for a matmul, beside its output
+        c = sizes.compute_bytes
+        weights = {n: math.prod(shapes.param_shapes[n]) * 2 * c for n in shapes.packed}  # two weights a byte
+        widest = max(weights.values())
+        # forward on CUDA dequantises each weight whole (bitsandbytes' CPU forward is one fused op)
+        sizes.forward_temp += widest if sizes.op_temps else 0.0
+        if not sizes.tiled_mlp:  # backward, on either, dequantises the MLP's output projection beside its
+            out = max((w for n, w in weights.items() if n in shapes.mlp_names), default=0.0)  # input's gradients
+            tr, r = _training(t, device, sizes.stream_bytes), sizes.stream_bytes
+            sizes.inner_temp = max(sizes.inner_temp, dequant_temp(shapes.arch, shapes.sb, r, c, tr, out))
+        elif sizes.op_temps:  # a tiled MLP's slices, each beside a whole weight (not measured apart: on a
+            sizes.inner_temp += widest  # CPU the tiny slices' weights are small)
+        if sizes.inner_temp_adding is not None and sizes.op_temps:
+            sizes.inner_temp_adding += widest
     return t, shapes, sizes
 
 
