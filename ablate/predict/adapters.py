@@ -261,7 +261,7 @@ def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float, 
     under autocast the casts of the weights that input meets before an adapter (a frozen Linear
     keeps its weight only for an input that needs a gradient), the first adapters' dropout masks
     (kept only for their input's gradient), and where the attention is frozen, all it (`attn`: what
-    the fully trained attention keeps) and the second norm keep. Of what a recompute wrapper keeps
+    the frozen attention keeps) and the norms after it keep. Of what a recompute wrapper keeps
     in place of a part (`wrapped`: of "norm", "attn", "mlp"), that part's own bytes were never counted."""
     sbh, w = sb * a.hidden, a.hidden * a.heads * a.head_dim  # a (h, h) projection's elements (q, o)
     autocast = r != c
@@ -277,5 +277,6 @@ def unfed(a: Arch, sb: int, r: int, c: int, ln: int, tr: Training, attn: float, 
         dead += {"attn": 3, "mlp": 2}[first] * sbh * tr.dropout if a.kind == "llama" else sbh * tr.dropout
     if tr.attn == "frozen":  # nothing in the attention needs a gradient: the MLP's adapters are the first
         ln_2 = sbh * 4 + sb * 4 if a.kind == "llama" else sbh * ln + 2 * sb * 4
+        ln_2 += sbh * 4 + sb * 4 if a.sandwich else 0.0  # and Gemma 3's norm on attention's output
         dead += attn + ln_2 + w * attn_cast + 2 * a.hidden * a.inter * mlp_cast
     return dead

@@ -99,7 +99,7 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
     sizes.blocks = [layer_saves(a, t.checkpoint, i, sb, r, c, ln, at, tr, tiled) for i in range(shapes.layers)]
     if not t.peft.train_embeddings and sizes.blocks:  # layer 0's input needs no gradient
         saved, full = sizes.blocks[0]
-        attn = attention_saves(a, sb, r, c, ln, at)
+        attn = attention_saves(a, sb, r, c, ln, at, tr)
         dead = unfed(a, sb, r, c, ln, tr, attn)
         # kept (not recomputed): not even the input itself, which nothing before an adapter keeps;
         # a wrapped part's own keep was never counted in what is kept
