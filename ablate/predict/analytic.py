@@ -179,12 +179,12 @@ def _sizes(t: Techniques, shapes: Shapes, device: str) -> Sizes:
         sizes.out_proj_cast = sum(shapes.param_numels[n] for n in shapes.linear_names if n in shapes.mlp_out_names) * c
         # the whole head, padding included; the chunked loss casts only the tokens' rows itself
         sizes.lm_head_cast = (shapes.vocab if t.loss.from_hidden else shapes.padded_vocab) * shapes.h * c
-    if t.checkpoint.wraps_mlp and (tr.mlp == "frozen" or tr.mlp == "adapter" and tr.dropout) \
+    if t.checkpoint.wraps_mlp and (tr.mlp == "frozen" or tr.mlp == "adapter" and (tr.dropout or r != c)) \
             and not sizes.mlp_input_remade:
-        # a frozen MLP keeps none of its input, nor one whose adapters read dropout's copies of it: its
-        # wrapper keeps it beside the MLP's recompute (fitted on CPU: tiny Llama at hidden 256, adapters
-        # on attention only, fp32 and pure bf16; with dropout, tiny Llama, Qwen3, Gemma 3 and GPT-2,
-        # 1.3-2.4% short without)
+        # a frozen MLP keeps none of its input, nor one whose adapters read copies of it (dropout's, or
+        # autocast's casts): its wrapper keeps it beside the MLP's recompute (fitted on CPU: tiny Llama
+        # at hidden 256, adapters on attention only, fp32 and pure bf16; with dropout, tiny Llama,
+        # Qwen3, Gemma 3 and GPT-2, 1.3-2.4% short without; GPT-2's under autocast 2.4-3.0%)
         sizes.mlp_input_remade = shapes.sbh * r
     sizes.offload_acts = t.offload.activations_on_host and device != "cpu"  # else already on the host
     sizes.offload_ahead = t.offload.layers_ahead if sizes.offload_acts else -1
