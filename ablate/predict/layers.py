@@ -88,7 +88,8 @@ def layer_saves(a: Arch, option, index: int, sb: int, r: int, c: int, ln: int, a
     return saved, full
 
 
-def attention_saves(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(), tr: Training = FULL) -> float:
+def attention_saves(a: Arch, sb: int, r: int, c: int, ln: int, at: Attention = Attention(),
+                    tr: Training = FULL) -> float:
     """Bytes a layer's attention keeps for backward, as much of it as `tr` trains."""
     return _full(a, sb, r, c, ln, at, tr)[1]["attn"]
 
