@@ -144,6 +144,8 @@ def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL, mlp_a
     3's) made, whose backward runs before a wrapper around the MLP alone is recomputed."""
     if tr.mlp != "adapter":
         return 0.0
+    if a.out_norms and not mlp_alone:  # that norm's backward asks first: its output's gradient, upcast
+        return sb * a.hidden * 4 if c != 4 else 0.0  # to fp32 where it computes in fp32 from 16 bits
     own = sb * a.hidden * c if r != c or a.out_norms and mlp_alone else 0.0
     if tr.dora:  # DoRA's scaled gradient is counted against what its recompute has not made yet
         return own

@@ -162,7 +162,7 @@ class Step(LossPlay, GradPlay):
                 tl.alloc("other", sizes.recompute_grads if full > saved else 0.0)
                 tl.alloc("activations", back)
                 if full > saved:  # what the recomputed forward makes and drops
-                    tl.transient("activations", sizes.forward_temp)
+                    tl.transient("activations", self.recompute_temp())
                 tl.free("other", sizes.recompute_grads if full > saved else 0.0)
                 if remade_first and not sizes.mlp_alone:
                     self.out_norm_backward()
@@ -241,6 +241,16 @@ class Step(LossPlay, GradPlay):
         if summed:
             self.tl.alloc("other", sum(summed.values()))
             self.tl.transient("other", self.sizes.inner_temp_remade if remade else self.sizes.inner_temp_later)
+
+    def recompute_temp(self) -> float:
+        """Made and dropped by a layer's recompute. A norm on the MLP's output inside the recomputed
+        layer asks for the recompute and keeps the last tensors backward needs, so the recompute
+        runs past the MLP's last Linear to it: the first forward's tail too, before that norm has
+        made what it keeps (counted in what the layer keeps)."""
+        sizes = self.sizes
+        if not sizes.out_norm_saved or sizes.mlp_alone:
+            return sizes.forward_temp
+        return max(sizes.forward_temp - sizes.out_norm_saved, sizes.forward_temp + sizes.forward_tail)
 
     def out_norm_backward(self) -> None:
         """A post-norm on the MLP's output (OLMo 2) runs first in its layer's backward: its fp32
