@@ -141,11 +141,13 @@ def recompute_grads(a: Arch, sb: int, r: int, c: int, tr: Training = FULL, mlp_a
     last Linear, its first saved tensor is asked for only after its output's gradient was scaled
     for the branch, beside that output's gradient in its own dtype (c) where it is not the
     residual stream's: autocast's cast of it, or the gradient a norm on the MLP's output (Gemma
-    3's) made, whose backward runs before a wrapper around the MLP alone is recomputed."""
+    3's) made, whose backward runs before a wrapper around the MLP alone is recomputed. Inside a
+    whole layer's recompute that norm is what asks, before any of the MLP's backward: only its
+    output's gradient is alive, upcast to fp32 where the norm computes in fp32 from 16 bits."""
     if tr.mlp != "adapter":
         return 0.0
-    if a.out_norms and not mlp_alone:  # that norm's backward asks first: its output's gradient, upcast
-        return sb * a.hidden * 4 if c != 4 else 0.0  # to fp32 where it computes in fp32 from 16 bits
+    if a.out_norms and not mlp_alone:
+        return sb * a.hidden * 4 if c != 4 else 0.0
     own = sb * a.hidden * c if r != c or a.out_norms and mlp_alone else 0.0
     if tr.dora:  # DoRA's scaled gradient is counted against what its recompute has not made yet
         return own
